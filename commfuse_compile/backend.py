@@ -1,0 +1,113 @@
+"""The ``commfuse`` torch.compile backend.
+
+``torch.compile(model, backend="commfuse", options={...})`` resolves here through the
+``torch_dynamo_backends`` entry point. The backend hands the graph to Inductor unchanged and
+installs the commfuse pipeline as Inductor's ``post_grad_custom_post_pass``, so it runs on the
+post-grad forward and backward graphs, where the functional collectives (including those of
+DTensor) are visible as aten ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from ._compat import CustomInferenceAwareGraphPass, get_hash_for_files
+from .options import CommfuseOptions
+from .report import CompileReport, new_report
+
+log = logging.getLogger("commfuse_compile")
+
+__all__ = ["CommfusePass", "commfuse"]
+
+
+class CommfusePass(CustomInferenceAwareGraphPass):
+    """Inductor post-grad pass running match → plan → rewrite → order → report.
+
+    Cache-safe: ``uuid()`` covers the package's source, the options, and this process's rank —
+    the rewritten graph bakes in the rank (chunk order, ring peers), so a graph compiled on
+    rank 0 must never be served to rank 1 from a shared Inductor cache.
+    """
+
+    def __init__(self, options: CommfuseOptions, report: CompileReport):
+        self.options = options
+        self.report = report
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
+        from commfuse_compile.passes import graph_kind, run_pipeline
+
+        kind = graph_kind(graph, is_inference)
+        self.report.graphs.append(kind)
+        try:
+            run_pipeline(graph, self.options, kind, self.report)
+        except Exception as err:
+            if self.options.strict:
+                raise
+            message = (
+                f"commfuse: the pass failed on the {kind} graph, which is compiled unrewritten "
+                f"({type(err).__name__}: {err}); options={{'strict': True}} raises instead"
+            )
+            log.warning(message)
+            self.report.errors.append(message)
+
+    def uuid(self) -> str:
+        rank = f"rank={dist.get_rank()}/{dist.get_world_size()}" if dist.is_initialized() else "rank=-"
+        key = f"{self.options.cache_key()};{rank};torch={torch.__version__}"
+        return hashlib.sha256(_source_hash() + key.encode()).hexdigest()
+
+
+@functools.cache
+def _source_hash() -> bytes:
+    """Hash of every source file of the package, passes included (they install elsewhere)."""
+    import commfuse_compile.passes as passes
+
+    roots = {pathlib.Path(__file__).parent, pathlib.Path(passes.__file__).parent}
+    files = sorted(str(p) for root in roots for p in root.rglob("*.py"))
+    return get_hash_for_files(tuple(files))
+
+
+def commfuse(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Compile ``gm`` with Inductor, rewriting collectives + matmuls into CommFuse rings.
+
+    Args:
+        gm: the Dynamo graph.
+        example_inputs: its example inputs.
+        options: see :class:`~commfuse_compile.options.CommfuseOptions`; unknown keys or bad
+            values raise ``ValueError`` naming the valid keys.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    opts = CommfuseOptions.from_user(options)
+    report = new_report({k: getattr(opts, k) for k in opts.valid_keys()})
+    hits_before = _cache_hits()
+    compiled = compile_fx(
+        gm,
+        example_inputs,
+        config_patches={"post_grad_custom_post_pass": CommfusePass(opts, report)},
+    )
+    report.cache_hits = _cache_hits() - hits_before
+    if not report.rewritten and not report.cache_hits:
+        reasons = "; ".join(sorted({s.reason for s in report.skipped})) or "no all-gather or reduce-scatter in the graph"
+        log.warning(
+            "commfuse rewrote nothing in compile %d (graphs %s): %s",
+            report.compile_id,
+            report.graphs,
+            reasons,
+        )
+    return compiled
+
+
+def _cache_hits() -> int:
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]

@@ -1,0 +1,72 @@
+"""The commfuse graph passes (installed as ``commfuse_compile.passes``).
+
+One stage per module, one data type (:class:`~commfuse_compile.passes.site.Site`) between them:
+
+    match → plan → rewrite → order → report
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch.fx as fx
+
+from commfuse_compile._compat import resolve_process_group, stable_topological_sort
+from commfuse_compile.options import CommfuseOptions
+from commfuse_compile.report import CompileReport
+
+from .graph_utils import GraphSnapshot
+from .match import find_sites
+from .order import pin_ring_order
+from .plan import plan_site
+from .report import record_sites
+from .rewrite import remove_replaced, rewrite_site
+from .site import Site
+
+__all__ = ["Site", "graph_kind", "group_rank", "run_pipeline"]
+
+
+def group_rank(group_name: str) -> int:
+    """This process's rank within the process group named ``group_name``."""
+    return resolve_process_group(group_name).rank()
+
+
+def graph_kind(graph: fx.Graph, is_inference: bool) -> str:
+    """'forward', 'backward' or 'inference' (AOTAutograd names backward inputs ``tangents_*``)."""
+    if is_inference:
+        return "inference"
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+        return "backward"
+    return "forward"
+
+
+def run_pipeline(
+    graph: fx.Graph,
+    options: CommfuseOptions,
+    kind: str,
+    report: CompileReport,
+    rank_of: Callable[[str], int] = group_rank,
+) -> list[Site]:
+    """Run every stage on ``graph`` in place and record the outcome in ``report``.
+
+    If any stage raises, the graph is restored as it was; the error propagates to the caller
+    (the backend decides between warning and ``strict``).
+    """
+    snapshot = GraphSnapshot(graph)
+    try:
+        sites = [plan_site(site, options) for site in find_sites(graph, kind)]
+        tags = itertools.count(1)  # same sites in the same order on every rank: tags match
+        for site in sites:
+            if site.decision == "rewrite":
+                rewrite_site(graph, site, rank_of(site.group_name), tags)
+        stable_topological_sort(graph)
+        remove_replaced(graph, sites)
+        if options.pin_order:
+            pin_ring_order(graph, sites)
+        graph.lint()
+    except Exception:
+        snapshot.restore(graph)
+        raise
+    record_sites(sites, report)
+    return sites

@@ -1,0 +1,61 @@
+"""``Site``: the one data type that flows through the pipeline.
+
+match creates a Site for every collective it inspects; plan sets ``decision`` and ``reason``;
+rewrite fills ``steps``; order pins them; report turns the Site into a record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch.fx as fx
+
+Pattern = Literal["all_gather→mm", "mm→reduce_scatter"]
+Decision = Literal["pending", "rewrite", "skip"]
+
+
+@dataclasses.dataclass
+class Consumer:
+    """One matmul fed by the gathered tensor (Flash-AG) or feeding the scatter (Flash-RS).
+
+    ``view`` is the reshape between the collective's tensor and the matmul (``None`` when the
+    matmul reads it directly); for Flash-AG it flattens leading dims before the mm, for Flash-RS
+    it restores them after.
+    """
+
+    mm: fx.Node
+    view: fx.Node | None = None
+
+
+@dataclasses.dataclass
+class RingStep:
+    """One emitted ring step: the transfer started, the matmul it overlaps, the wait after it."""
+
+    chunk: int  # which chunk of the gathered / scattered tensor this step computes
+    compute: list[fx.Node]  # the chunk matmul(s)
+    start: fx.Node | None = None  # ring_exchange overlapping this step's compute, if any
+    wait: fx.Node | None = None  # wait_tensor of that exchange, pinned after ``compute``
+
+
+@dataclasses.dataclass
+class Site:
+    """A collective the pass looked at, and what became of it."""
+
+    pattern: Pattern
+    graph: str  # "forward" | "backward" | "inference"
+    collective: fx.Node
+    wait: fx.Node | None
+    group_name: str
+    group_size: int
+    consumers: list[Consumer] = dataclasses.field(default_factory=list)
+    shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    decision: Decision = "pending"
+    reason: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    rank: int | None = None  # this rank's index in the group, set by rewrite
+    steps: list[RingStep] = dataclasses.field(default_factory=list)
+
+    def skip(self, reason: str) -> Site:
+        self.decision, self.reason = "skip", reason
+        return self
