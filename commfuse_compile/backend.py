@@ -98,6 +98,13 @@ def commfuse(
         config_patches={"post_grad_custom_post_pass": CommfusePass(opts, report)},
     )
     report.cache_hits = _cache_hits() - hits_before
+    if report.cache_hits:
+        log.info(
+            "commfuse compile %d: %d graph(s) served from Inductor's FX graph cache; their rewrite "
+            "is in the cached code, so the pass did not run and recorded nothing for them",
+            report.compile_id,
+            report.cache_hits,
+        )
     if not report.rewritten and not report.cache_hits:
         reasons = "; ".join(sorted({s.reason for s in report.skipped})) or "no all-gather or reduce-scatter in the graph"
         log.warning(
@@ -110,4 +117,5 @@ def commfuse(
 
 
 def _cache_hits() -> int:
-    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    # AOTAutograd cache hits load their graphs through the FX graph cache: count those only.
+    return counters["inductor"]["fxgraph_cache_hit"]

@@ -31,4 +31,4 @@ def record_sites(sites: list[Site], report: CompileReport) -> None:
             ),
         )
         report.sites.append(record)
-        log.info("%s", record.summary())
+        log.info("commfuse %s", record.summary())

@@ -83,14 +83,14 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
         if wait is not None:
             cur = wait
     results = [emit(aten.cat.default, outs, 0) for outs in outputs]
-    other_users = [u for u in site.wait.users if not _is_consumer_view(u, site)]
-    rebuilt = emit(aten.cat.default, chunks, 0) if other_users or _views_shared(site) else None
+    readers = _whole_tensor_readers(site)
+    rebuilt = emit(aten.cat.default, chunks, 0) if readers else None
     for consumer, result in zip(site.consumers, results):
         consumer.mm.replace_all_uses_with(result)
     if rebuilt is not None:
         site.wait.replace_all_uses_with(rebuilt)
         site.notes.append(
-            f"gathered tensor rebuilt from the ring's chunks for {describe(other_users, site)}"
+            f"gathered tensor rebuilt from the ring's chunks for {', '.join(readers)}"
         )
 
 
@@ -132,20 +132,15 @@ def _chunk_2d(emit: Emitter, chunk: fx.Node, full_2d: fx.Node) -> fx.Node:
     return emit(aten.reshape.default, chunk, [-1, width])
 
 
-def _is_consumer_view(node: fx.Node, site: Site) -> bool:
-    return any(node is c.mm or node is c.view for c in site.consumers)
-
-
-def _views_shared(site: Site) -> bool:
-    """A consumer's reshape also read by something other than the rewritten matmuls."""
+def _whole_tensor_readers(site: Site) -> list[str]:
+    """Nodes that still read the whole gathered tensor (directly or through a consumer's
+    reshape) once the consumer matmuls are rewritten, e.g. a save for backward."""
     mms = {c.mm for c in site.consumers}
-    return any(c.view is not None and set(c.view.users) - mms for c in site.consumers)
-
-
-def describe(users: list[fx.Node], site: Site) -> str:
-    names = [u.name for u in users]
-    names += [f"{c.view.name} users" for c in site.consumers if c.view is not None and len(c.view.users) > 1]
-    return ", ".join(names) or "other users"
+    views = {c.view for c in site.consumers if c.view is not None}
+    names = [u.name for u in site.wait.users if u not in mms and u not in views]
+    for view in views:
+        names += [f"{u.name} (via {view.name})" for u in view.users if u not in mms]
+    return names
 
 
 def _position(graph: fx.Graph):

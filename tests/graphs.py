@@ -1,0 +1,84 @@
+"""Capture post-grad graphs (as the commfuse pass would see them) and read rewritten rings back."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
+
+from commfuse_compile.passes import graph_kind
+from commfuse_compile.passes.graph_utils import MM, GraphSnapshot
+
+aten = torch.ops.aten
+
+
+class _Capture(CustomInferenceAwareGraphPass):
+    def __init__(self):
+        self.graphs: list[tuple[str, fx.Graph]] = []
+
+    def __call__(self, graph: fx.Graph, is_inference: bool) -> None:
+        self.graphs.append((graph_kind(graph, is_inference), GraphSnapshot(graph).saved))
+
+    def uuid(self) -> None:
+        return None  # never served from a cache: we need the pass to run
+
+
+def post_grad_graphs(fn, *inputs: torch.Tensor, backward: bool = True) -> dict[str, fx.Graph]:
+    """The post-grad graphs Inductor builds for ``fn`` (and its backward), keyed by kind."""
+    capture = _Capture()
+
+    def backend(gm, example_inputs):
+        return compile_fx(
+            gm,
+            example_inputs,
+            config_patches={"post_grad_custom_post_pass": capture, "fx_graph_cache": False},
+        )
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*inputs)
+    if backward:
+        out.sum().backward()
+    return dict(capture.graphs)
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy owned by a GraphModule, as Inductor's graphs are (control_deps needs the owner)."""
+    return fx.GraphModule(torch.nn.Module(), GraphSnapshot(graph).saved).graph
+
+
+def ring_exchanges(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.target is torch.ops.commfuse.ring_exchange.default]
+
+
+def hops_from(node: fx.Node, source: fx.Node) -> int | None:
+    """Ring hops between ``source`` and ``node`` following reshape / wait / ring_exchange inputs."""
+    hops = 0
+    while node is not source:
+        if node.target is torch.ops.commfuse.ring_exchange.default:
+            hops += 1
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return hops
+
+
+def flash_ag_order(graph: fx.Graph, shard: str) -> list[tuple[int, int]]:
+    """(chunk, hops) of every chunk matmul in graph order: the chunk index is the matmul's
+    position in the output concatenation, hops how far its input travelled around the ring."""
+    source = next(n for n in graph.nodes if n.name == shard)
+    position = {}
+    for node in graph.nodes:
+        if node.target is aten.cat.default and all(a.target is MM for a in node.args[0]):
+            position.update({mm: i for i, mm in enumerate(node.args[0])})
+    return [(position[n], hops_from(n.args[0], source)) for n in graph.nodes if n in position]
+
+
+def flash_rs_order(graph: fx.Graph) -> list[int]:
+    """The chunk computed by every sliced matmul of a Flash-RS ring, in graph order."""
+    order = []
+    for node in graph.nodes:
+        if node.target is MM and node.args[0].target is aten.slice.Tensor:
+            _, dim, start, end = node.args[0].args
+            order.append(start // (end - start))
+    return order

@@ -1,0 +1,165 @@
+"""Toy programs traced in the tests and the rank-side functions that check them against eager.
+
+Every program is written with the functional collectives over the default group, the way a
+hand-written tensor / sequence-parallel layer is. Inputs are drawn from one seed on every rank
+(so the full weights agree) and each rank keeps its own shard.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import commfuse_compile
+
+# Tolerances for "compiled with commfuse" vs "the same program eagerly". The ring sums partial
+# products in a different order than gloo's reduce-scatter, so results are compared with a
+# tolerance, never bitwise. bf16 keeps 8 bits of mantissa: one rounding of a partial sum is a
+# relative error of 2^-8 ≈ 4e-3, and the ring rounds once per step.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _group():
+    return dist.group.WORLD
+
+
+def canonical(x, w1, w2):
+    """relu(AG(x) @ W1) @ W2 → RS, on 2-D activations [rows, H]."""
+    h = funcol.all_gather_tensor(x, 0, _group())
+    return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, _group())
+
+
+def leading_dims(x, w1, w2):
+    """The same on [B, S, H] activations: reshape → mm → reshape around both collectives."""
+    h = funcol.all_gather_tensor(x, 0, _group())
+    y = torch.relu(torch.matmul(h, w1)) @ w2
+    return funcol.reduce_scatter_tensor(y, "sum", 0, _group())
+
+
+def reused(x, w1, w2):
+    """The gathered tensor is also read by another op (and so saved for backward)."""
+    h = funcol.all_gather_tensor(x, 0, _group())
+    out = funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, _group())
+    return out, torch.tanh(h).mean(dim=-1)
+
+
+PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
+    # name: (program, per-rank activation shape)
+    "canonical": (canonical, (6, 16)),
+    "leading_dims": (leading_dims, (2, 3, 16)),
+    "reused": (reused, (6, 16)),
+}
+HIDDEN, FFN = 16, 32
+
+
+def make_inputs(program: str, rank: int, world: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """This rank's activation shard, column shard of W1 and row shard of W2 (leaf tensors)."""
+    _, shard_shape = PROGRAMS[program]
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn((shard_shape[0] * world, *shard_shape[1:]), generator=gen)
+    w1 = torch.randn(HIDDEN, FFN * world, generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(FFN * world, HIDDEN, generator=gen) / FFN**0.5
+    rows, ffn = shard_shape[0], FFN
+    shards = [x[rank * rows : (rank + 1) * rows], w1[:, rank * ffn : (rank + 1) * ffn], w2[rank * ffn : (rank + 1) * ffn]]
+    return [s.to(dtype).contiguous().requires_grad_() for s in shards]
+
+
+def forward_backward(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs and input grads of ``fn`` for a fixed random upstream gradient."""
+    for t in inputs:
+        t.grad = None
+    outs = fn(*inputs)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    gen = torch.Generator().manual_seed(99 + dist.get_rank())
+    loss = sum((o * torch.randn(o.shape, generator=gen).to(o.dtype)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs] + [t.grad for t in inputs]
+
+
+def compare(actual: list[torch.Tensor], expected: list[torch.Tensor], dtype: torch.dtype) -> list[dict]:
+    names = [f"out{i}" for i in range(len(actual) - 3)] + ["grad_x", "grad_w1", "grad_w2"]
+    tol = TOLERANCES[dtype]
+    rows = []
+    for name, a, e in zip(names, actual, expected):
+        a, e = a.float(), e.float()
+        rows.append(
+            dict(
+                name=name,
+                max_abs_diff=(a - e).abs().max().item(),
+                close=torch.allclose(a, e, **tol),
+                shape=list(a.shape),
+            )
+        )
+    return rows
+
+
+def site_summary(report: commfuse_compile.CompileReport) -> list[tuple[str, str, str, str]]:
+    return [(s.graph, s.pattern, s.action, s.reason) for s in report.sites]
+
+
+# ---- functions run on every rank (module level so the rank pool can import them) ----------
+
+
+def check_against_eager(program: str, dtype_name: str, options: dict | None = None) -> dict:
+    """Compile ``program`` with commfuse; compare outputs and grads with eager on this rank."""
+    torch._dynamo.reset()
+    dtype = DTYPES[dtype_name]
+    fn, _ = PROGRAMS[program]
+    inputs = make_inputs(program, dist.get_rank(), dist.get_world_size(), dtype)
+    expected = forward_backward(fn, inputs)
+    compiled = torch.compile(fn, backend="commfuse", options=options)
+    actual = forward_backward(compiled, inputs)
+    again = forward_backward(compiled, inputs)  # a second call reuses the compiled ring
+    return dict(
+        diffs=compare(actual, expected, dtype),
+        repeat_diffs=compare(again, expected, dtype),
+        sites=site_summary(commfuse_compile.last_report()),
+    )
+
+
+def generated_code(program: str) -> list[str]:
+    """Inductor's generated Python for the forward and backward graphs of ``program``."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn, _ = PROGRAMS[program]
+    inputs = make_inputs(program, dist.get_rank(), dist.get_world_size(), torch.float32)
+    compiled = torch.compile(fn, backend="commfuse")
+    _, code = run_and_get_code(forward_backward, compiled, inputs)
+    return code
+
+
+_START = re.compile(r"^\s*(buf\d+) = torch\.ops\.commfuse\.ring_exchange\.default\(")
+_ALIAS = re.compile(r"^\s*(buf\d+) = (buf\d+)\s*$")
+_WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_MM = re.compile(r"extern_kernels\.mm\(")
+
+
+def ring_events(code: str) -> list[tuple[int, int, int]]:
+    """For every ring transfer in ``code``: (line of its start, matmuls between start and wait,
+    line of its wait). Buffers are followed through Inductor's ``bufB = bufA`` aliases."""
+    lines = code.splitlines()
+    origin: dict[str, str] = {}
+    started: dict[str, int] = {}
+    events = []
+    for i, line in enumerate(lines):
+        if m := _START.match(line):
+            started[m.group(1)] = i
+        elif m := _ALIAS.match(line):
+            origin[m.group(1)] = origin.get(m.group(2), m.group(2))
+        elif m := _WAIT.search(line):
+            buf = origin.get(m.group(1), m.group(1))
+            if buf in started:
+                start = started.pop(buf)
+                mms = sum(1 for l in lines[start:i] if _MM.search(l))
+                events.append((start, mms, i))
+    assert not started, f"ring transfers never waited on: {sorted(started)}"
+    return events

@@ -1,0 +1,176 @@
+"""Single-process structure tests at world size 8 with the fake process group.
+
+A fake group traces and compiles at any world size without communication, so the rewritten
+graph of *every* rank can be read: the pass is run on a captured post-grad graph once per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+from conftest import fake_world
+from graphs import copy_graph, flash_ag_order, flash_rs_order, post_grad_graphs, ring_exchanges
+
+import commfuse_compile
+from commfuse_compile.options import CommfuseOptions
+from commfuse_compile.passes import run_pipeline
+from commfuse_compile.report import new_report
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module")
+def world():
+    with fake_world(WORLD, rank=0) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def mlp_graphs(world):
+    """Post-grad forward and backward graphs of relu(AG(x) @ W1) @ W2 → RS on [B, S, H]."""
+
+    def mlp(x, w1, w2):
+        h = funcol.all_gather_tensor(x, 0, world)
+        return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, world)
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w1 = torch.randn(8, 16, requires_grad=True)
+    w2 = torch.randn(16, 8, requires_grad=True)
+    return post_grad_graphs(mlp, x, w1, w2)
+
+
+def rewrite_as(graph, rank: int, kind: str, **options):
+    graph = copy_graph(graph)
+    report = new_report({})
+    sites = run_pipeline(graph, CommfuseOptions(**options), kind, report, rank_of=lambda _: rank)
+    return graph, sites, report
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_chunk_order_of_every_rank(mlp_graphs, kind):
+    shard = "primals_1" if kind == "forward" else "tangents_1"
+    for r in range(WORLD):
+        graph, sites, _ = rewrite_as(mlp_graphs[kind], r, kind, pin_order=False)
+        assert [s.decision for s in sites] == ["rewrite", "rewrite"], [s.reason for s in sites]
+
+        # Flash-AG: step k computes chunk (r - k) mod N, received after k hops from r - 1.
+        assert flash_ag_order(graph, shard) == [((r - k) % WORLD, k) for k in range(WORLD)]
+        # Flash-RS: step i computes chunk (r - 1 - i) mod N; the rank's own chunk comes last.
+        rs_order = flash_rs_order(graph)
+        assert rs_order == [(r - 1 - i) % WORLD for i in range(WORLD)]
+        assert rs_order[-1] == r
+
+        # Both rings: N - 1 transfers each, always to r + 1 and from r - 1, each with its own tag.
+        exchanges = ring_exchanges(graph)
+        assert len(exchanges) == 2 * (WORLD - 1)
+        assert {(n.args[1], n.args[2]) for n in exchanges} == {((r + 1) % WORLD, (r - 1) % WORLD)}
+        assert len({n.args[4] for n in exchanges}) == len(exchanges)
+
+        # The record agrees with the graph.
+        ag, rs = sites
+        assert [s.chunk for s in ag.steps] == [(r - k) % WORLD for k in range(WORLD)]
+        assert [s.chunk for s in rs.steps] == rs_order
+        assert ag.steps[-1].start is None and rs.steps[0].start is None  # no transfer there
+
+
+def test_collectives_are_gone_and_the_gather_is_rebuilt_from_chunks(mlp_graphs):
+    graph, sites, _ = rewrite_as(mlp_graphs["forward"], 3, "forward")
+    targets = {n.target for n in graph.nodes}
+    assert torch.ops._c10d_functional.all_gather_into_tensor.default not in targets
+    assert torch.ops._c10d_functional.reduce_scatter_tensor.default not in targets
+    # The gathered activation is saved for backward: rebuilt from the ring's chunks, not re-gathered.
+    assert any("rebuilt from the ring's chunks" in note for note in sites[0].notes)
+
+
+def test_pinned_order_adds_control_dependencies(mlp_graphs):
+    graph, sites, _ = rewrite_as(mlp_graphs["forward"], 5, "forward")
+    control = [n for n in graph.nodes if n.op == "call_function" and "control_deps" in str(n.target)]
+    by_name = {n.name: n for n in control}
+    for site in sites:
+        for step in site.steps:
+            if step.start is None:
+                continue
+            compute = by_name[step.compute[0].name]  # compute waits for nothing but ...
+            assert step.start.name in {d.name for d in compute.args[0]}  # ... its transfer's start
+            wait = by_name[step.wait.name]
+            assert step.compute[0].name in {d.name for d in wait.args[0]}  # wait after compute
+
+
+def test_same_plan_on_every_rank(mlp_graphs):
+    plans = []
+    for r in range(WORLD):
+        _, sites, _ = rewrite_as(mlp_graphs["backward"], r, "backward")
+        plans.append([(s.pattern, s.decision, s.reason, len(s.steps)) for s in sites])
+    assert all(p == plans[0] for p in plans)
+
+
+def _sites_of(fn, *inputs, **options):
+    commfuse_compile.clear_reports()
+    torch._dynamo.reset()
+    torch.compile(fn, backend="commfuse", options=options)(*inputs)
+    return commfuse_compile.last_report().sites
+
+
+def test_skip_gather_on_dim_1(world):
+    def f(x, w):
+        return funcol.all_gather_tensor(x, 1, world) @ w
+
+    (site,) = _sites_of(f, torch.randn(4, 2), torch.randn(16, 4))
+    assert site.action == "skipped" and "split and re-concatenated" in site.reason
+
+
+def test_skip_right_operand_depends_on_gather(world):
+    def f(x):
+        h = funcol.all_gather_tensor(x, 0, world)
+        return h @ h[:16].t()
+
+    (site,) = _sites_of(f, torch.randn(4, 16))
+    assert site.action == "skipped" and "depends on the gathered tensor" in site.reason
+
+
+def test_skip_reduce_scatter_not_fed_by_mm(world):
+    def f(x):
+        return funcol.reduce_scatter_tensor(x * 2, "sum", 0, world)
+
+    (site,) = _sites_of(f, torch.randn(16, 4))
+    assert site.action == "skipped" and "not aten.mm" in site.reason
+
+
+def test_skip_group_size_1(world):
+    single = torch.distributed.new_group([0])
+
+    def f(x, w):
+        return funcol.all_gather_tensor(x, 0, single) @ w
+
+    (site,) = _sites_of(f, torch.randn(4, 8), torch.randn(8, 4))
+    assert site.action == "skipped" and site.reason == "group size 1: nothing to exchange"
+
+
+def test_skip_disabled_pattern_and_warn_once_when_nothing_rewritten(world, caplog):
+    def f(x, w):
+        return funcol.all_gather_tensor(x, 0, world) @ w
+
+    with caplog.at_level(logging.INFO, logger="commfuse_compile"):
+        (site,) = _sites_of(f, torch.randn(4, 8), torch.randn(8, 4), flash_ag=False)
+    assert site.action == "skipped" and site.reason == "disabled by option flash_ag=False"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "rewrote nothing" in warnings[0].getMessage()
+    # every site is also logged
+    assert any("disabled by option flash_ag=False" in r.getMessage() for r in caplog.records)
+
+
+def test_symbolic_sizes_are_left_alone(world):
+    def f(x, w):
+        return funcol.all_gather_tensor(x, 0, world) @ w
+
+    commfuse_compile.clear_reports()
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    out = torch.compile(f, backend="commfuse")(x, torch.randn(8, 4))
+    assert out.shape == (4 * WORLD, 4)
+    (site,) = commfuse_compile.last_report().sites
+    assert site.action == "skipped" and "symbolic" in site.reason
