@@ -125,14 +125,14 @@ def check_against_eager(program: str, dtype_name: str, options: dict | None = No
     )
 
 
-def generated_code(program: str) -> list[str]:
+def generated_code(program: str, options: dict | None = None) -> list[str]:
     """Inductor's generated Python for the forward and backward graphs of ``program``."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     fn, _ = PROGRAMS[program]
     inputs = make_inputs(program, dist.get_rank(), dist.get_world_size(), torch.float32)
-    compiled = torch.compile(fn, backend="commfuse")
+    compiled = torch.compile(fn, backend="commfuse", options=options)
     _, code = run_and_get_code(forward_backward, compiled, inputs)
     return code
 

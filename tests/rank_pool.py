@@ -9,6 +9,7 @@ down, never left hanging.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -53,6 +54,10 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, tasks: mp.Que
             results.put((rank, True, fn(*args)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, False, traceback.format_exc()))
+    # Drop Dynamo's references to the group first, or gloo's threads outlive it and can abort
+    # the process at interpreter shutdown.
+    torch._dynamo.reset()
+    gc.collect()
     dist.destroy_process_group()
 
 
