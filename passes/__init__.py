@@ -64,6 +64,7 @@ def run_pipeline(
         remove_replaced(graph, sites)
         if options.pin_order:
             pin_ring_order(graph, sites)
+            stable_topological_sort(graph)  # control deps are inputs now: sort by them too
         graph.lint()
     except Exception:
         snapshot.restore(graph)

@@ -21,6 +21,9 @@ COALESCED = {
     c10d.reduce_scatter_tensor_coalesced.default: "mm→reduce_scatter",
 }
 MM = aten.mm.default
+ADDMM = aten.addmm.default
+MATMULS = {MM, ADDMM}
+SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 # Views that reinterpret a row-major tensor without moving data (they appear around mm for
 # leading dims: [B, S, H] -> [B*S, H] -> mm -> [B, S, M]).
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
@@ -29,6 +32,16 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 def fake(node: Any) -> Any:
     """The fake value of a node (or a constant passed as an argument)."""
     return node.meta["val"] if isinstance(node, fx.Node) else node
+
+
+def left_operand(matmul: fx.Node) -> fx.Node:
+    """``A`` of ``mm(A, B)`` or ``addmm(bias, A, B)``."""
+    return matmul.args[1] if matmul.target is ADDMM else matmul.args[0]
+
+
+def right_operand(matmul: fx.Node) -> fx.Node:
+    """``B`` of ``mm(A, B)`` or ``addmm(bias, A, B)``."""
+    return matmul.args[2] if matmul.target is ADDMM else matmul.args[1]
 
 
 def static_shape(node: fx.Node) -> list[int] | None:

@@ -1,16 +1,24 @@
 """Stage 1 — match: find every all-gather and reduce-scatter and the matmuls around them.
 
-Recognised forms (post-grad aten graph, functional collectives):
+Recognised forms (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
 
-    all_gather_into_tensor(x, N, group) -> wait_tensor -> [view] -> mm(·, W)      (Flash-AG)
-    mm(A, B) -> [view] -> reduce_scatter_tensor(·, op, N, group) -> wait_tensor   (Flash-RS)
+    Flash-AG:  all_gather_into_tensor(x, N, group) -> wait_tensor
+                   [-> split(dim 0) -> getitem × N -> cat(dim d)]      gather on dim d != 0
+                   (or N slices of dim 0 instead of split + getitem)
+                   -> [reshape] -> mm(·, W) / addmm(b, ·, W)           one or more consumers
+    Flash-RS:  sum of mm / addmm terms, joined by add and reshape
+                   [-> split(dim d) -> getitem × N -> cat(dim 0)]      scatter on dim d != 0
+                   -> reduce_scatter_tensor(·, "sum", N, group) -> wait_tensor
 
-Every collective yields a Site. A Site whose form is not recognised is already marked "skip"
-with the reason; the others are "pending" for the plan stage. Nothing is mutated here.
+The split/cat forms are what ``funcol.all_gather_tensor(x, gather_dim=d)``, DTensor sequence
+parallelism and ``reduce_scatter_tensor(y, scatter_dim=d)`` produce. Every collective yields a
+Site: a recognised one is "pending" for the plan stage, any other is already "skip" with the
+reason. Nothing is mutated here.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import networkx as nx
@@ -19,13 +27,17 @@ import torch.fx as fx
 from .graph_utils import (
     ALL_GATHER,
     COALESCED,
-    MM,
+    MATMULS,
     REDUCE_SCATTER,
     RESHAPES,
+    SPLITS,
     WAIT,
+    aten,
     dataflow,
     describe_users,
-    static_shape,
+    fake,
+    left_operand,
+    right_operand,
     target_name,
 )
 from .site import Consumer, Site
@@ -52,84 +64,150 @@ def _single_wait(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _left_operand_mms(wait: fx.Node) -> Iterator[Consumer]:
+def _split_cat(tensor: fx.Node, pieces: int, split_dim: int) -> tuple[fx.Node, int] | None:
+    """If ``tensor`` is only read by ``pieces`` equal pieces along ``split_dim`` (a split and its
+    getitems, or slices) that one ``cat`` concatenates in order: that cat and its dim."""
+    ndim = fake(tensor).dim()
+    size = fake(tensor).shape[split_dim] // pieces
+    users = list(tensor.users)
+    if len(users) == 1 and users[0].target in SPLITS and _dim_arg(users[0], 2) % ndim == split_dim:
+        parts = sorted(users[0].users, key=lambda g: g.args[1] if g.target is operator.getitem else -1)
+        if [g.args[1] if g.target is operator.getitem else None for g in parts] != list(range(pieces)):
+            return None
+    elif len(users) == pieces and all(u.target is aten.slice.Tensor for u in users):
+        parts = sorted(users, key=lambda u: u.args[2])
+        expected = [(split_dim, q * size, (q + 1) * size) for q in range(pieces)]
+        if [(_dim_arg(u, 1) % ndim, *u.args[2:4]) for u in parts] != expected:
+            return None
+    else:
+        return None
+    cats = {user for part in parts for user in part.users}
+    if len(cats) != 1 or any(len(part.users) != 1 for part in parts):
+        return None
+    (cat,) = cats
+    if cat.target is not aten.cat.default or list(cat.args[0]) != parts:
+        return None
+    return cat, _dim_arg(cat, 1) % fake(cat).dim()
+
+
+def _split_cat_source(cat: fx.Node) -> tuple[fx.Node, int] | None:
+    """The tensor and dim that ``cat``'s first piece was split / sliced from, if any."""
+    if cat.target is not aten.cat.default or not cat.args[0]:
+        return None
+    piece = cat.args[0][0]
+    if piece.target is operator.getitem and piece.args[0].target in SPLITS:
+        split = piece.args[0]
+        return split.args[0], _dim_arg(split, 2) % fake(split.args[0]).dim()
+    if piece.target is aten.slice.Tensor:
+        return piece.args[0], _dim_arg(piece, 1) % fake(piece.args[0]).dim()
+    return None
+
+
+def _dim_arg(node: fx.Node, position: int) -> int:
+    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+
+
+def _left_operand_matmuls(gathered: fx.Node) -> Iterator[Consumer]:
     """Matmuls reading the gathered tensor, directly or through one reshape, as left operand."""
-    for user in wait.users:
-        if user.target is MM and user.args[0] is wait:
+    for user in gathered.users:
+        if user.target in MATMULS and left_operand(user) is gathered:
             yield Consumer(mm=user)
         elif user.target in RESHAPES:
             for mm in user.users:
-                if mm.target is MM and mm.args[0] is user:
+                if mm.target in MATMULS and left_operand(mm) is user:
                     yield Consumer(mm=mm, view=user)
 
 
-def _why_no_consumer(wait: fx.Node) -> str:
-    users = list(wait.users)
-    targets = {target_name(u) for u in users}
-    if "split.Tensor" in targets or "split_with_sizes.default" in targets or "chunk.default" in targets:
-        return (
-            "gathered tensor is split and re-concatenated (gather dim != 0, e.g. a sequence-"
-            "parallel layout): not yet supported"
-        )
-    for user in users:
+def _why_no_consumer(gathered: fx.Node) -> str:
+    for user in gathered.users:
         readers = [user, *user.users] if user.target in RESHAPES else [user]
-        if any(r.target is MM and r.args[1] in (wait, user) for r in readers):
+        for reader in readers:
+            if reader.target is aten.permute.default:
+                readers += list(reader.users)
+        if any(r.target in MATMULS and right_operand(r) in readers + [gathered] for r in readers):
             return (
-                "gathered tensor feeds aten.mm only as its right operand (weight gather or "
+                "gathered tensor feeds a matmul only as its right operand (weight gather or "
                 "gather along the contraction dim): not yet supported"
             )
-    return f"no aten.mm reads the gathered tensor as its left operand (users: {describe_users(wait)})"
+    return f"no matmul reads the gathered tensor as its left operand (users: {describe_users(gathered)})"
 
 
 def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
     shard, group_size, group_name = ag.args[:3]
     site = Site("all_gather→mm", graph_kind, ag, _single_wait(ag), group_name, group_size)
-    site.shapes["shard"] = static_shape(shard) or list(shard.meta["val"].shape)
+    site.shapes["shard"] = list(fake(shard).shape)
     if site.wait is None:
         return site.skip(f"all-gather is not read through a single wait_tensor (users: {describe_users(ag)})")
-    consumers = list(_left_operand_mms(site.wait))
+    site.tensor, site.dim = _split_cat(site.wait, group_size, 0) or (site.wait, 0)
+    if site.dim:
+        site.shapes["gathered"] = list(fake(site.tensor).shape)
+    consumers = list(_left_operand_matmuls(site.tensor))
     if not consumers:
-        return site.skip(_why_no_consumer(site.wait))
+        return site.skip(_why_no_consumer(site.tensor))
     downstream = nx.descendants(flow, site.wait)
     for consumer in consumers:
-        weight = consumer.mm.args[1]
-        if weight in downstream or weight is site.wait:
-            site.notes.append(
-                f"{consumer.mm.name}: right operand depends on the gathered tensor; left as is"
-            )
+        if right_operand(consumer.mm) in downstream:
+            site.notes.append(f"{consumer.mm.name}: right operand depends on the gathered tensor; left as is")
         else:
             site.consumers.append(consumer)
     if not site.consumers:
-        return site.skip("right operand of every consuming mm depends on the gathered tensor")
+        return site.skip("right operand of every consuming matmul depends on the gathered tensor")
     for i, consumer in enumerate(site.consumers):
-        site.shapes[f"weight{i}"] = list(consumer.mm.args[1].meta["val"].shape)
+        site.shapes[f"weight{i}"] = list(fake(right_operand(consumer.mm)).shape)
     return site
 
 
+def _matmul_terms(node: fx.Node, path: list[fx.Node]) -> list[fx.Node] | None:
+    """The matmuls whose sum (through reshapes and same-shape adds) is ``node``, or None.
+
+    ``path`` collects every node between the matmuls and ``node`` (to check they have no other
+    users: if the full product is read elsewhere, computing it per chunk saves nothing).
+    """
+    path.append(node)
+    if node.target in MATMULS:
+        return [node]
+    if node.target in RESHAPES:
+        return _matmul_terms(node.args[0], path)
+    if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
+        a, b = node.args
+        if not all(isinstance(t, fx.Node) and fake(t).shape == fake(node).shape for t in (a, b)):
+            return None  # broadcasting add: not a sum of same-shape products
+        left, right = _matmul_terms(a, path), _matmul_terms(b, path)
+        return left + right if left is not None and right is not None else None
+    return None
+
+
 def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Site:
-    product, reduce_op, group_size, group_name = rs.args[:4]
+    scattered, reduce_op, group_size, group_name = rs.args[:4]
     site = Site("mm→reduce_scatter", graph_kind, rs, _single_wait(rs), group_name, group_size)
-    site.shapes["input"] = list(product.meta["val"].shape)
+    site.shapes["input"] = list(fake(scattered).shape)
     if site.wait is None:
         return site.skip(f"reduce-scatter is not read through a single wait_tensor (users: {describe_users(rs)})")
     if reduce_op != "sum":
         return site.skip(f"reduce op {reduce_op!r}: only 'sum' is decomposed")
-    view = None
-    mm = product
-    if product.target in RESHAPES:
-        view, mm = product, product.args[0]
-    if not isinstance(mm, fx.Node) or mm.target is not MM:
-        producer = target_name(mm) if isinstance(mm, fx.Node) else repr(mm)
-        return site.skip(f"reduce-scatter input is produced by {producer}, not aten.mm: not yet supported")
-    for node in (view, mm):
-        if node is not None and len(node.users) > 1:
+    site.tensor, site.dim = scattered, 0
+    source = _split_cat_source(scattered)
+    if source is not None and _split_cat(source[0], group_size, source[1]) == (scattered, 0):
+        site.tensor, site.dim = source
+        site.shapes["scattered"] = list(fake(site.tensor).shape)
+    path: list[fx.Node] = []
+    terms = _matmul_terms(site.tensor, path)
+    if terms is None:
+        producer = target_name(site.tensor)
+        return site.skip(
+            f"reduce-scatter input is produced by {producer}, not a matmul or a sum of matmuls: not yet supported"
+        )
+    for node in path:
+        # (the split/cat form's input is read by its N pieces, checked by _split_cat)
+        if len(node.users) > 1 and not (node is site.tensor and site.tensor is not scattered):
             return site.skip(
                 f"{node.name} has other users ({describe_users(node)}): the full product is "
                 "needed anyway; not yet supported"
             )
-    site.consumers.append(Consumer(mm=mm, view=view))
-    site.shapes["lhs"] = list(mm.args[0].meta["val"].shape)
-    site.shapes["rhs"] = list(mm.args[1].meta["val"].shape)
+    site.consumers = [Consumer(mm=mm) for mm in terms]
+    for i, mm in enumerate(terms):
+        site.shapes[f"lhs{i}"] = list(fake(left_operand(mm)).shape)
+        site.shapes[f"rhs{i}"] = list(fake(right_operand(mm)).shape)
     return site
 
 

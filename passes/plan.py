@@ -11,65 +11,89 @@ from math import prod
 
 from commfuse_compile.options import CommfuseOptions
 
-from .graph_utils import static_shape
+from .graph_utils import ADDMM, left_operand, static_shape
 from .site import Site
 
 
 def plan_site(site: Site, options: CommfuseOptions) -> Site:
     if site.decision != "pending":
         return site
-    enabled = options.flash_ag if site.pattern == "all_gather→mm" else options.flash_rs
-    if not enabled:
-        option = "flash_ag" if site.pattern == "all_gather→mm" else "flash_rs"
+    option = "flash_ag" if site.pattern == "all_gather→mm" else "flash_rs"
+    if not getattr(options, option):
         return site.skip(f"disabled by option {option}=False")
     if site.group_size == 1:
         return site.skip("group size 1: nothing to exchange")
+    tensor = static_shape(site.tensor)
+    if tensor is None:
+        return site.skip("symbolic sizes: chunks cannot be cut statically")
     if site.pattern == "all_gather→mm":
-        return _plan_all_gather(site)
-    return _plan_reduce_scatter(site)
+        return _plan_all_gather(site, tensor)
+    return _plan_reduce_scatter(site, tensor)
 
 
-def _rows_per_chunk(numel: int, group_size: int, row_width: int) -> int | None:
-    """Rows of the 2-D matmul operand that belong to one rank, or None if not whole rows.
-
-    A view is row-major, so rank q's chunk of the collective tensor (elements
-    [q·E, (q+1)·E) with E = numel / N) is a contiguous block of rows of the 2-D view exactly when
-    E is a multiple of the row width.
-    """
-    per_rank = numel // group_size
-    if numel % group_size or per_rank % row_width:
-        return None
-    return per_rank // row_width
-
-
-def _plan_all_gather(site: Site) -> Site:
-    shard = static_shape(site.collective.args[0])
-    if shard is None:
-        return site.skip("symbolic shard size: chunks cannot be cut statically")
+def _plan_all_gather(site: Site, gathered: list[int]) -> Site:
     kept = []
     for consumer in site.consumers:
-        lhs = static_shape(consumer.mm.args[0])
-        rhs = static_shape(consumer.mm.args[1])
-        if lhs is None or rhs is None:
-            site.notes.append(f"{consumer.mm.name}: symbolic matmul shape; left as is")
-        elif _rows_per_chunk(prod(shard) * site.group_size, site.group_size, lhs[1]) is None:
-            site.notes.append(f"{consumer.mm.name}: a rank's rows are not whole rows of {lhs}; left as is")
+        why_not = _matmul_problem(consumer.mm) or _chunk_problem(
+            gathered, site.dim, site.group_size, static_shape(left_operand(consumer.mm))
+        )
+        if why_not:
+            site.notes.append(f"{consumer.mm.name}: {why_not}; left as is")
         else:
             kept.append(consumer)
     site.consumers = kept
     if not kept:
-        return site.skip("no consuming mm can be cut into per-rank row blocks (see notes)")
-    site.decision, site.reason = "rewrite", f"Flash-AG ring over {site.group_size} ranks"
+        return site.skip("no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes))
+    site.decision, site.reason = "rewrite", f"Flash-AG ring over {site.group_size} ranks{_on_dim(site)}"
     return site
 
 
-def _plan_reduce_scatter(site: Site) -> Site:
-    (consumer,) = site.consumers
-    lhs = static_shape(consumer.mm.args[0])
-    out = static_shape(consumer.mm)
-    if lhs is None or out is None:
-        return site.skip("symbolic matmul shape: chunks cannot be cut statically")
-    if _rows_per_chunk(prod(out), site.group_size, out[1]) is None:
-        return site.skip(f"a rank's chunk is not whole rows of the {out} matmul output")
-    site.decision, site.reason = "rewrite", f"Flash-RS ring over {site.group_size} ranks"
+def _plan_reduce_scatter(site: Site, scattered: list[int]) -> Site:
+    for term in site.consumers:
+        problem = _matmul_problem(term.mm) or _chunk_problem(
+            scattered, site.dim, site.group_size, static_shape(term.mm)
+        )
+        if problem:
+            return site.skip(f"{term.mm.name}: {problem}")
+    terms = f", {len(site.consumers)} matmuls summed per step" if len(site.consumers) > 1 else ""
+    site.decision, site.reason = "rewrite", f"Flash-RS ring over {site.group_size} ranks{_on_dim(site)}{terms}"
     return site
+
+
+def _matmul_problem(matmul) -> str | None:
+    if matmul.target is ADDMM:
+        if matmul.kwargs:
+            return "addmm with beta/alpha"
+        if static_shape(matmul.args[0]) is None or len(static_shape(matmul.args[0])) != 1:
+            return "addmm bias is not a 1-D vector"
+    if static_shape(matmul) is None or static_shape(left_operand(matmul)) is None:
+        return "symbolic matmul shape"
+    return None
+
+
+def _chunk_problem(tensor: list[int], dim: int, group_size: int, rows_by_width: list[int] | None) -> str | None:
+    """Why the 2-D matmul operand/result ``rows_by_width`` cannot be cut into the ``group_size``
+    chunks of ``tensor`` along ``dim`` (None if it can).
+
+    dim 0: rank q's chunk is elements [q·E, (q+1)·E) of the row-major tensor (E = numel / N), a
+    block of whole rows of the 2-D view exactly when E is a multiple of the row width.
+    dim d > 0: chunks are not contiguous, so each is reshaped on its own; that is exact when the
+    2-D view flattens every dim but the last, and d is not that last dim.
+    """
+    if rows_by_width is None:
+        return "symbolic matmul shape"
+    rows, width = rows_by_width
+    if tensor[dim] % group_size:
+        return f"dim {dim} of {tensor} does not split into {group_size} chunks"
+    if dim == 0:
+        per_rank = prod(tensor) // group_size
+        return None if per_rank % width == 0 else f"a rank's chunk is not whole rows of [{rows}, {width}]"
+    if dim == len(tensor) - 1:
+        return f"dim {dim} is the last dim (the contraction dim of Flash-AG's matmul, the columns of Flash-RS's): not yet supported"
+    if [rows, width] != [prod(tensor[:-1]), tensor[-1]]:
+        return f"[{rows}, {width}] is not {tensor} with its leading dims flattened"
+    return None
+
+
+def _on_dim(site: Site) -> str:
+    return f" on dim {site.dim}" if site.dim else ""

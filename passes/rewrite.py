@@ -1,36 +1,37 @@
 """Stage 3 — rewrite: replace each planned Site by its CommFuse ring.
 
-Flash-AG. Before::
+Flash-AG. Before (G is the gathered tensor, chunk q = rank q's shard along dim d)::
 
-    g = wait_tensor(all_gather_into_tensor(x, N, group))        # [N·a, ...]
-    y = mm(view(g, [R, K]), W)                                   # [R, M]
+    G = all_gather(x) [-> split/cat to dim d]                   # N chunks along d
+    y = mm(view(G, [R, K]), W)                                   # one or more consumers
 
-After (rank r; chunk j is rank j's shard)::
+After (rank r)::
 
     cur = x                                   # chunk r
     for k in 0 .. N-1:
         j = (r - k) % N
         if k < N-1: nxt = ring_exchange(cur, to=r+1, from=r-1)   # start
-        y_j = mm(view(cur, [R/N, K]), W)                         # overlaps the transfer
+        y_j = mm(view(cur, [-1, K]), W)                          # overlaps the transfer
         if k < N-1: cur = wait_tensor(nxt)                       # chunk j-1
-    y = cat([y_0, ..., y_{N-1}])              # each chunk at its own offset
-    g = cat([x_0, ..., x_{N-1}])              # only if g has other users (e.g. saved for backward)
+    y = view(cat([y_0, ..., y_{N-1}], d), [R, M])   # each chunk at its own offset
+    G = cat([x_0, ..., x_{N-1}], d)                 # only if G has other readers (saved for bw)
 
-Flash-RS. Before::
+Flash-RS. Before (P is a sum of matmul terms, scattered in chunks along dim d)::
 
-    o = wait_tensor(reduce_scatter_tensor(view(mm(A, B), S), "sum", N, group))
+    P = view(mm(A_1, B_1) + ... + mm(A_t, B_t))
+    o = wait_tensor(reduce_scatter([split/cat of] P, "sum", N, group))
 
 After::
 
     for i in 0 .. N-1:
         j = (r - 1 - i) % N
-        p = mm(A[rows of chunk j], B)
+        p = mm(A_1[rows of chunk j], B_1) + ... + mm(A_t[rows of chunk j], B_t)
         if i > 0: p = p + wait_tensor(acc)     # partial sum of chunk j from ranks < r
-        if i < N-1: acc = ring_exchange(p, to=r+1, from=r-1)   # overlaps the next mm
+        if i < N-1: acc = ring_exchange(p, to=r+1, from=r-1)   # overlaps the next step
     o = view(p, shape of o)                    # j = r at the last step: own chunk, no tail
 
-Each step is recorded as a RingStep for the order stage. The replaced nodes are left for
-``remove_replaced`` once the graph is sorted again.
+``mm`` stands for ``addmm(bias, ·, ·)`` too. Each step is recorded as a RingStep for the order
+stage; the replaced nodes are left for ``remove_replaced`` once the graph is sorted again.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ import itertools
 import torch
 import torch.fx as fx
 
-from .graph_utils import MM, WAIT, Emitter, aten, erase_if_unused, fake
+from .graph_utils import ADDMM, MM, WAIT, Emitter, aten, erase_if_unused, fake, left_operand, right_operand
 from .site import RingStep, Site
-
 
 
 def _exchange_op():
@@ -61,51 +61,55 @@ def rewrite_site(graph: fx.Graph, site: Site, rank: int, tags: itertools.count) 
 
 
 def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
-    n, group = site.group_size, site.group_name
+    n, d, group = site.group_size, site.dim, site.group_name
     shard = site.collective.args[0]
     first_mm = min((c.mm for c in site.consumers), key=_position(graph))
     emit = Emitter(graph, before=first_mm)
     exchange = _exchange_op()
     chunks: list[fx.Node | None] = [None] * n
-    outputs = [[None] * n for _ in site.consumers]
-    cur = shard
+    pieces = [[None] * n for _ in site.consumers]
+    cur = shard  # chunk r
     for k in range(n):
         j = (r - k) % n
         chunks[j] = cur
         start = emit(exchange, cur, (r + 1) % n, (r - 1) % n, group, next(tags)) if k < n - 1 else None
         compute = []
         for c, consumer in enumerate(site.consumers):
-            rows = _chunk_2d(emit, cur, consumer.mm.args[0])
-            outputs[c][j] = emit(MM, rows, consumer.mm.args[1])
-            compute.append(outputs[c][j])
+            width = fake(left_operand(consumer.mm)).shape[1]
+            y_j = _matmul_like(emit, consumer.mm, _as_rows(emit, cur, width))
+            compute.append(y_j)
+            # Along dim 0 a chunk's rows are a block of the output; along d > 0 they are
+            # not, so each chunk's result goes back to the chunk's own layout first.
+            pieces[c][j] = y_j if d == 0 else emit(aten.reshape.default, y_j, [*fake(cur).shape[:-1], -1])
         wait = emit(WAIT, start) if start is not None else None
         site.steps.append(RingStep(chunk=j, compute=compute, start=start, wait=wait))
         if wait is not None:
             cur = wait
-    results = [emit(aten.cat.default, outs, 0) for outs in outputs]
+    results = []
+    for consumer, outs in zip(site.consumers, pieces):
+        y = emit(aten.cat.default, outs, d)
+        results.append(y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape)))
     readers = _whole_tensor_readers(site)
-    rebuilt = emit(aten.cat.default, chunks, 0) if readers else None
+    rebuilt = emit(aten.cat.default, chunks, d) if readers else None
     for consumer, result in zip(site.consumers, results):
         consumer.mm.replace_all_uses_with(result)
     if rebuilt is not None:
-        site.wait.replace_all_uses_with(rebuilt)
-        site.notes.append(
-            f"gathered tensor rebuilt from the ring's chunks for {', '.join(readers)}"
-        )
+        site.tensor.replace_all_uses_with(rebuilt)
+        site.notes.append(f"gathered tensor rebuilt from the ring's chunks for {', '.join(readers)}")
 
 
 def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
-    n, group = site.group_size, site.group_name
-    (consumer,) = site.consumers
-    lhs, rhs = consumer.mm.args[:2]
-    rows = fake(consumer.mm).shape[0] // n
+    n, d, group = site.group_size, site.dim, site.group_name
     emit = Emitter(graph, before=site.wait)
     exchange = _exchange_op()
-    acc = None  # accumulator in flight from rank r-1
+    chunk_rows = [_chunk_rows(emit, term.mm, site) for term in site.consumers]
+    acc = None  # partial sum of this step's chunk, in flight from rank r-1
     for i in range(n):
         j = (r - 1 - i) % n
-        p = emit(MM, emit(aten.slice.Tensor, lhs, 0, j * rows, (j + 1) * rows), rhs)
-        compute = [p]
+        compute = [_matmul_like(emit, term.mm, rows_of(j)) for term, rows_of in zip(site.consumers, chunk_rows)]
+        p = compute[0]
+        for part in compute[1:]:
+            p = emit(aten.add.Tensor, p, part)
         wait = emit(WAIT, acc) if acc is not None else None
         if wait is not None:
             p = emit(aten.add.Tensor, p, wait)
@@ -115,19 +119,35 @@ def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.c
     site.wait.replace_all_uses_with(result)
 
 
-def remove_replaced(graph: fx.Graph, sites: list[Site]) -> None:
-    """Drop what the rings replaced: dead views and matmuls, then the collectives themselves
-    (``wait_tensor`` is side-effectful, so dead-code elimination alone keeps it)."""
-    graph.eliminate_dead_code()
-    for site in sites:
-        if site.steps:
-            erase_if_unused(graph, [site.wait, site.collective])
+def _chunk_rows(emit: Emitter, matmul: fx.Node, site: Site):
+    """A function j -> the rows of ``matmul``'s left operand that produce chunk j of the
+    scattered tensor (a plain row slice along dim 0; a slice of the un-flattened view along
+    d > 0, flattened again)."""
+    lhs = left_operand(matmul)
+    n, d = site.group_size, site.dim
+    if d == 0:
+        rows = fake(matmul).shape[0] // n
+        return lambda j: emit(aten.slice.Tensor, lhs, 0, j * rows, (j + 1) * rows)
+    leading = list(fake(site.tensor).shape[:-1])
+    width = fake(lhs).shape[1]
+    unflat = emit(aten.reshape.default, lhs, [*leading, width])
+    size = leading[d] // n
+    return lambda j: emit(
+        aten.reshape.default, emit(aten.slice.Tensor, unflat, d, j * size, (j + 1) * size), [-1, width]
+    )
 
 
-def _chunk_2d(emit: Emitter, chunk: fx.Node, full_2d: fx.Node) -> fx.Node:
-    """The rows of the mm's 2-D left operand that ``chunk`` (one rank's shard) covers."""
-    width = fake(full_2d).shape[1]
-    if list(fake(chunk).shape) == [fake(chunk).numel() // width, width]:
+def _matmul_like(emit: Emitter, matmul: fx.Node, rows: fx.Node) -> fx.Node:
+    """``matmul`` (mm or addmm) applied to other rows of its left operand."""
+    if matmul.target is ADDMM:
+        return emit(ADDMM, matmul.args[0], rows, right_operand(matmul))
+    return emit(MM, rows, right_operand(matmul))
+
+
+def _as_rows(emit: Emitter, chunk: fx.Node, width: int) -> fx.Node:
+    """``chunk`` (one rank's shard) as rows of the matmul's 2-D left operand."""
+    shape = list(fake(chunk).shape)
+    if shape == [fake(chunk).numel() // width, width]:
         return chunk
     return emit(aten.reshape.default, chunk, [-1, width])
 
@@ -137,10 +157,19 @@ def _whole_tensor_readers(site: Site) -> list[str]:
     reshape) once the consumer matmuls are rewritten, e.g. a save for backward."""
     mms = {c.mm for c in site.consumers}
     views = {c.view for c in site.consumers if c.view is not None}
-    names = [u.name for u in site.wait.users if u not in mms and u not in views]
+    names = [u.name for u in site.tensor.users if u not in mms and u not in views]
     for view in views:
         names += [f"{u.name} (via {view.name})" for u in view.users if u not in mms]
     return names
+
+
+def remove_replaced(graph: fx.Graph, sites: list[Site]) -> None:
+    """Drop what the rings replaced: dead views, splits and matmuls, then the collectives
+    (``wait_tensor`` is side-effectful, so dead-code elimination alone keeps it)."""
+    graph.eliminate_dead_code()
+    for site in sites:
+        if site.steps:
+            erase_if_unused(graph, [site.wait, site.collective])
 
 
 def _position(graph: fx.Graph):

@@ -17,11 +17,12 @@ Decision = Literal["pending", "rewrite", "skip"]
 
 @dataclasses.dataclass
 class Consumer:
-    """One matmul fed by the gathered tensor (Flash-AG) or feeding the scatter (Flash-RS).
+    """One matmul (``aten.mm`` or ``aten.addmm`` with a 1-D bias) around the collective.
 
-    ``view`` is the reshape between the collective's tensor and the matmul (``None`` when the
-    matmul reads it directly); for Flash-AG it flattens leading dims before the mm, for Flash-RS
-    it restores them after.
+    Flash-AG: a matmul whose left operand is the gathered tensor; ``view`` is the reshape
+    between them (``None`` when the matmul reads it directly). Flash-RS: one term of the sum
+    that is scattered (``view`` unused: reshapes and adds between the terms and the collective
+    are linear, so each term is cut the same way).
     """
 
     mm: fx.Node
@@ -48,6 +49,10 @@ class Site:
     wait: fx.Node | None
     group_name: str
     group_size: int
+    # The logical tensor: the gathered tensor (after any split/cat that moves the gathered dim)
+    # or the tensor that is scattered (before it), and the dim that is gathered / scattered.
+    tensor: fx.Node | None = None
+    dim: int = 0
     consumers: list[Consumer] = dataclasses.field(default_factory=list)
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     decision: Decision = "pending"

@@ -63,22 +63,37 @@ def hops_from(node: fx.Node, source: fx.Node) -> int | None:
     return hops
 
 
-def flash_ag_order(graph: fx.Graph, shard: str) -> list[tuple[int, int]]:
-    """(chunk, hops) of every chunk matmul in graph order: the chunk index is the matmul's
-    position in the output concatenation, hops how far its input travelled around the ring."""
+def _through_reshapes(node: fx.Node) -> fx.Node:
+    while node.target in (aten.reshape.default, aten.view.default):
+        node = node.args[0]
+    return node
+
+
+def flash_ag_order(graph: fx.Graph, shard: str) -> list[list[tuple[int, int]]]:
+    """Per consumer matmul: (chunk, hops) of its chunk matmuls in graph order. The chunk index
+    is the matmul's position in the output concatenation, hops how far its input travelled."""
     source = next(n for n in graph.nodes if n.name == shard)
-    position = {}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    consumers = []
     for node in graph.nodes:
-        if node.target is aten.cat.default and all(a.target is MM for a in node.args[0]):
-            position.update({mm: i for i, mm in enumerate(node.args[0])})
-    return [(position[n], hops_from(n.args[0], source)) for n in graph.nodes if n in position]
+        if node.target is aten.cat.default:
+            inputs = [_through_reshapes(a) for a in node.args[0]]
+            if all(i.target is MM for i in inputs):
+                steps = sorted(range(len(inputs)), key=lambda chunk: order[inputs[chunk]])
+                consumers.append([(chunk, hops_from(inputs[chunk].args[0], source)) for chunk in steps])
+    return consumers
 
 
 def flash_rs_order(graph: fx.Graph) -> list[int]:
-    """The chunk computed by every sliced matmul of a Flash-RS ring, in graph order."""
-    order = []
+    """The chunk computed at each step of a Flash-RS ring, in graph order (a step with several
+    matmul terms counts once)."""
+    order: list[int] = []
     for node in graph.nodes:
-        if node.target is MM and node.args[0].target is aten.slice.Tensor:
-            _, dim, start, end = node.args[0].args
-            order.append(start // (end - start))
+        if node.target is MM:
+            rows = _through_reshapes(node.args[0])
+            if rows.target is aten.slice.Tensor:
+                _, dim, start, end = rows.args
+                chunk = start // (end - start)
+                if not order or order[-1] != chunk:
+                    order.append(chunk)
     return order

@@ -51,24 +51,37 @@ def reused(x, w1, w2):
     return out, torch.tanh(h).mean(dim=-1)
 
 
+def sequence_parallel(x, w1, w2):
+    """Gather and scatter on the sequence dim (split/cat forms); one gather feeds two matmuls
+    and the scattered tensor is a sum of two matmuls (so is its gradient's)."""
+    h = funcol.all_gather_tensor(x, 1, _group())  # [B, S/N, H] -> [B, S, H]
+    a, b = h @ w1, h @ w2.t()
+    y = torch.relu(a) @ w2 + b @ w2
+    return funcol.reduce_scatter_tensor(y, "sum", 1, _group())
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (6, 16)),
     "leading_dims": (leading_dims, (2, 3, 16)),
     "reused": (reused, (6, 16)),
+    "sequence_parallel": (sequence_parallel, (2, 3, 16)),  # sharded on dim 1
 }
+SHARD_DIM = {"sequence_parallel": 1}
 HIDDEN, FFN = 16, 32
 
 
 def make_inputs(program: str, rank: int, world: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """This rank's activation shard, column shard of W1 and row shard of W2 (leaf tensors)."""
     _, shard_shape = PROGRAMS[program]
+    dim = SHARD_DIM.get(program, 0)
+    full_shape = [s * world if i == dim else s for i, s in enumerate(shard_shape)]
     gen = torch.Generator().manual_seed(1234)
-    x = torch.randn((shard_shape[0] * world, *shard_shape[1:]), generator=gen)
+    x = torch.randn(full_shape, generator=gen).chunk(world, dim)[rank]
     w1 = torch.randn(HIDDEN, FFN * world, generator=gen) / HIDDEN**0.5
     w2 = torch.randn(FFN * world, HIDDEN, generator=gen) / FFN**0.5
-    rows, ffn = shard_shape[0], FFN
-    shards = [x[rank * rows : (rank + 1) * rows], w1[:, rank * ffn : (rank + 1) * ffn], w2[rank * ffn : (rank + 1) * ffn]]
+    ffn = FFN
+    shards = [x, w1[:, rank * ffn : (rank + 1) * ffn], w2[rank * ffn : (rank + 1) * ffn]]
     return [s.to(dtype).contiguous().requires_grad_() for s in shards]
 
 

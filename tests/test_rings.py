@@ -29,6 +29,7 @@ EXPECTED_SITES = {
     # The gathered tensor's second reader adds its gradient to the matmul's before the
     # backward reduce-scatter: a sum of products, left for now with a reason.
     "reused": REWRITTEN_EVERYWHERE[:3] + [("backward", "mm→reduce_scatter", "skipped")],
+    "sequence_parallel": REWRITTEN_EVERYWHERE,
 }
 
 
@@ -53,7 +54,7 @@ def test_ring_exchange_does_not_leak_work(ranks):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("program", ["canonical", "leading_dims", "reused"])
+@pytest.mark.parametrize("program", ["canonical", "leading_dims", "reused", "sequence_parallel"])
 def test_matches_eager(ranks, program, dtype):
     results = ranks.run(check_against_eager, program, dtype)
     for rank, result in enumerate(results):

@@ -57,7 +57,7 @@ def test_chunk_order_of_every_rank(mlp_graphs, kind):
         assert [s.decision for s in sites] == ["rewrite", "rewrite"], [s.reason for s in sites]
 
         # Flash-AG: step k computes chunk (r - k) mod N, received after k hops from r - 1.
-        assert flash_ag_order(graph, shard) == [((r - k) % WORLD, k) for k in range(WORLD)]
+        assert flash_ag_order(graph, shard) == [[((r - k) % WORLD, k) for k in range(WORLD)]]
         # Flash-RS: step i computes chunk (r - 1 - i) mod N; the rank's own chunk comes last.
         rs_order = flash_rs_order(graph)
         assert rs_order == [(r - 1 - i) % WORLD for i in range(WORLD)]
@@ -74,6 +74,32 @@ def test_chunk_order_of_every_rank(mlp_graphs, kind):
         assert [s.chunk for s in ag.steps] == [(r - k) % WORLD for k in range(WORLD)]
         assert [s.chunk for s in rs.steps] == rs_order
         assert ag.steps[-1].start is None and rs.steps[0].start is None  # no transfer there
+
+
+@pytest.fixture(scope="module")
+def sp_graphs(world):
+    """Gather and scatter on the sequence dim of [B, S/N, H]; two consumers; sums of matmuls."""
+    from programs import sequence_parallel
+
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    w1, w2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+    return post_grad_graphs(sequence_parallel, x, w1, w2)
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_sequence_parallel_chunk_order_of_every_rank(sp_graphs, kind):
+    shard = "primals_1" if kind == "forward" else "tangents_1"
+    for r in range(WORLD):
+        graph, sites, _ = rewrite_as(sp_graphs[kind], r, kind, pin_order=False)
+        ag, rs = sites
+        assert (ag.decision, ag.dim, rs.decision, rs.dim) == ("rewrite", 1, "rewrite", 1), [s.reason for s in sites]
+        expected_ag = [((r - k) % WORLD, k) for k in range(WORLD)]
+        assert flash_ag_order(graph, shard) == [expected_ag] * len(ag.consumers)
+        assert flash_rs_order(graph) == [(r - 1 - i) % WORLD for i in range(WORLD)]
+        if kind == "forward":  # q/k-style: one ring feeds both matmuls; y is a sum of two
+            assert len(ag.consumers) == 2 and all(len(step.compute) == 2 for step in ag.steps)
+            assert len(rs.consumers) == 2 and all(len(step.compute) == 2 for step in rs.steps)
+        assert len(ring_exchanges(graph)) == 2 * (WORLD - 1)
 
 
 def test_collectives_are_gone_and_the_gather_is_rebuilt_from_chunks(mlp_graphs):
@@ -114,12 +140,12 @@ def _sites_of(fn, *inputs, **options):
     return commfuse_compile.last_report().sites
 
 
-def test_skip_gather_on_dim_1(world):
+def test_skip_gather_along_the_contraction_dim(world):
     def f(x, w):
         return funcol.all_gather_tensor(x, 1, world) @ w
 
     (site,) = _sites_of(f, torch.randn(4, 2), torch.randn(16, 4))
-    assert site.action == "skipped" and "split and re-concatenated" in site.reason
+    assert site.action == "skipped" and "contraction dim" in site.reason
 
 
 def test_skip_right_operand_depends_on_gather(world):
@@ -136,7 +162,7 @@ def test_skip_reduce_scatter_not_fed_by_mm(world):
         return funcol.reduce_scatter_tensor(x * 2, "sum", 0, world)
 
     (site,) = _sites_of(f, torch.randn(16, 4))
-    assert site.action == "skipped" and "not aten.mm" in site.reason
+    assert site.action == "skipped" and "not a matmul or a sum of matmuls" in site.reason
 
 
 def test_skip_group_size_1(world):
