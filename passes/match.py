@@ -25,6 +25,7 @@ import networkx as nx
 import torch.fx as fx
 
 from .graph_utils import (
+    ADDMM,
     ALL_GATHER,
     COALESCED,
     MATMULS,
@@ -107,29 +108,36 @@ def _dim_arg(node: fx.Node, position: int) -> int:
     return node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
 
 
-def _left_operand_matmuls(gathered: fx.Node) -> Iterator[Consumer]:
-    """Matmuls reading the gathered tensor, directly or through one reshape, as left operand."""
-    for user in gathered.users:
-        if user.target in MATMULS and left_operand(user) is gathered:
-            yield Consumer(mm=user)
-        elif user.target in RESHAPES:
-            for mm in user.users:
-                if mm.target in MATMULS and left_operand(mm) is user:
-                    yield Consumer(mm=mm, view=user)
+def _matmul_consumers(gathered: fx.Node) -> Iterator[Consumer]:
+    """Matmuls reading the gathered tensor through an optional reshape and an optional
+    ``permute(·, [1, 0])``, with the role the gathered dim plays in each."""
+    for view in [gathered, *(u for u in gathered.users if u.target in RESHAPES)]:
+        for user in view.users:
+            transposed = user.target is aten.permute.default and list(user.args[1]) == [1, 0]
+            operand = user if transposed else view
+            for mm in operand.users if transposed else [user]:
+                if mm.target not in MATMULS:
+                    continue
+                left, right = left_operand(mm) is operand, right_operand(mm) is operand
+                if left == right:  # not an operand, or both (x @ x.t()): leave it
+                    continue
+                if left:
+                    role = "contraction" if transposed else "rows"
+                else:
+                    role = "columns" if transposed else "contraction"
+                yield Consumer(
+                    mm=mm,
+                    view=None if view is gathered else view,
+                    role=role,
+                    permute=user if transposed else None,
+                )
 
 
-def _why_no_consumer(gathered: fx.Node) -> str:
-    for user in gathered.users:
-        readers = [user, *user.users] if user.target in RESHAPES else [user]
-        for reader in readers:
-            if reader.target is aten.permute.default:
-                readers += list(reader.users)
-        if any(r.target in MATMULS and right_operand(r) in readers + [gathered] for r in readers):
-            return (
-                "gathered tensor feeds a matmul only as its right operand (weight gather or "
-                "gather along the contraction dim): not yet supported"
-            )
-    return f"no matmul reads the gathered tensor as its left operand (users: {describe_users(gathered)})"
+def other_operand(consumer: Consumer, gathered: fx.Node) -> fx.Node:
+    """The operand of the consumer matmul that is not (derived from) the gathered tensor."""
+    reads = consumer.permute or consumer.view or gathered
+    mm = consumer.mm
+    return right_operand(mm) if left_operand(mm) is reads else left_operand(mm)
 
 
 def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
@@ -141,31 +149,37 @@ def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
     site.tensor, site.dim = _split_cat(site.wait, group_size, 0) or (site.wait, 0)
     if site.dim:
         site.shapes["gathered"] = list(fake(site.tensor).shape)
-    consumers = list(_left_operand_matmuls(site.tensor))
+    consumers = list(_matmul_consumers(site.tensor))
     if not consumers:
-        return site.skip(_why_no_consumer(site.tensor))
+        return site.skip(f"no matmul reads the gathered tensor (users: {describe_users(site.tensor)})")
     downstream = nx.descendants(flow, site.wait)
     for consumer in consumers:
-        if right_operand(consumer.mm) in downstream:
-            site.notes.append(f"{consumer.mm.name}: right operand depends on the gathered tensor; left as is")
+        if other_operand(consumer, site.tensor) in downstream:
+            site.notes.append(f"{consumer.mm.name}: its other operand depends on the gathered tensor; left as is")
         else:
             site.consumers.append(consumer)
     if not site.consumers:
-        return site.skip("right operand of every consuming matmul depends on the gathered tensor")
+        return site.skip("the other operand of every consuming matmul depends on the gathered tensor")
     for i, consumer in enumerate(site.consumers):
-        site.shapes[f"weight{i}"] = list(fake(right_operand(consumer.mm)).shape)
+        site.shapes[f"{consumer.role}{i}"] = list(fake(other_operand(consumer, site.tensor)).shape)
     return site
 
 
-def _matmul_terms(node: fx.Node, path: list[fx.Node]) -> list[fx.Node] | None:
+def _matmul_terms(node: fx.Node, path: list[fx.Node]) -> list[Consumer] | None:
     """The matmuls whose sum (through reshapes and same-shape adds) is ``node``, or None.
 
-    ``path`` collects every node between the matmuls and ``node`` (to check they have no other
-    users: if the full product is read elsewhere, computing it per chunk saves nothing).
+    Inductor folds ``a + b @ c`` into ``addmm(a, b, c)``: an addmm whose bias is a full
+    [R, M] tensor is one more term (role "product": its own product, without the bias) plus
+    the terms of its bias. ``path`` collects every node between the matmuls and ``node`` (to
+    check they have no other users: if the full product is read elsewhere, computing it per
+    chunk saves nothing).
     """
     path.append(node)
+    if node.target is ADDMM and not node.kwargs and fake(node.args[0]).shape == fake(node).shape:
+        bias_terms = _matmul_terms(node.args[0], path)
+        return None if bias_terms is None else [*bias_terms, Consumer(mm=node, role="product")]
     if node.target in MATMULS:
-        return [node]
+        return [Consumer(mm=node)]
     if node.target in RESHAPES:
         return _matmul_terms(node.args[0], path)
     if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
@@ -204,10 +218,10 @@ def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Site:
                 f"{node.name} has other users ({describe_users(node)}): the full product is "
                 "needed anyway; not yet supported"
             )
-    site.consumers = [Consumer(mm=mm) for mm in terms]
-    for i, mm in enumerate(terms):
-        site.shapes[f"lhs{i}"] = list(fake(left_operand(mm)).shape)
-        site.shapes[f"rhs{i}"] = list(fake(right_operand(mm)).shape)
+    site.consumers = terms
+    for i, term in enumerate(terms):
+        site.shapes[f"lhs{i}"] = list(fake(left_operand(term.mm)).shape)
+        site.shapes[f"rhs{i}"] = list(fake(right_operand(term.mm)).shape)
     return site
 
 

@@ -11,7 +11,7 @@ from math import prod
 
 from commfuse_compile.options import CommfuseOptions
 
-from .graph_utils import ADDMM, left_operand, static_shape
+from .graph_utils import ADDMM, MM, left_operand, static_shape
 from .site import Site
 
 
@@ -35,8 +35,13 @@ def _plan_all_gather(site: Site, gathered: list[int]) -> Site:
     kept = []
     for consumer in site.consumers:
         why_not = _matmul_problem(consumer.mm) or _chunk_problem(
-            gathered, site.dim, site.group_size, static_shape(left_operand(consumer.mm))
+            gathered, site.dim, site.group_size, static_shape(consumer.view or site.tensor)
         )
+        if consumer.role != "rows" and not why_not:
+            if site.dim:
+                why_not = f"gather on dim {site.dim} feeding the {consumer.role} of a matmul: not yet supported"
+            elif consumer.mm.target is not MM:
+                why_not = f"{consumer.role} of an addmm: not yet supported"
         if why_not:
             site.notes.append(f"{consumer.mm.name}: {why_not}; left as is")
         else:
@@ -50,7 +55,7 @@ def _plan_all_gather(site: Site, gathered: list[int]) -> Site:
 
 def _plan_reduce_scatter(site: Site, scattered: list[int]) -> Site:
     for term in site.consumers:
-        problem = _matmul_problem(term.mm) or _chunk_problem(
+        problem = (_matmul_problem(term.mm) if term.role != "product" else None) or _chunk_problem(
             scattered, site.dim, site.group_size, static_shape(term.mm)
         )
         if problem:

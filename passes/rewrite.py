@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import ADDMM, MM, WAIT, Emitter, aten, erase_if_unused, fake, left_operand, right_operand
-from .site import RingStep, Site
+from .site import Consumer, RingStep, Site
 
 
 def _exchange_op():
@@ -75,8 +75,7 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
         start = emit(exchange, cur, (r + 1) % n, (r - 1) % n, group, next(tags)) if k < n - 1 else None
         compute = []
         for c, consumer in enumerate(site.consumers):
-            width = fake(left_operand(consumer.mm)).shape[1]
-            y_j = _matmul_like(emit, consumer.mm, _as_rows(emit, cur, width))
+            y_j = _chunk_product(emit, consumer, site, cur, j)
             compute.append(y_j)
             # Along dim 0 a chunk's rows are a block of the output; along d > 0 they are
             # not, so each chunk's result goes back to the chunk's own layout first.
@@ -85,10 +84,8 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
         site.steps.append(RingStep(chunk=j, compute=compute, start=start, wait=wait))
         if wait is not None:
             cur = wait
-    results = []
-    for consumer, outs in zip(site.consumers, pieces):
-        y = emit(aten.cat.default, outs, d)
-        results.append(y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape)))
+    results = [_assemble(emit, consumer, outs, d, order=[s.chunk for s in site.steps])
+               for consumer, outs in zip(site.consumers, pieces)]
     readers = _whole_tensor_readers(site)
     rebuilt = emit(aten.cat.default, chunks, d) if readers else None
     for consumer, result in zip(site.consumers, results):
@@ -96,6 +93,39 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
     if rebuilt is not None:
         site.tensor.replace_all_uses_with(rebuilt)
         site.notes.append(f"gathered tensor rebuilt from the ring's chunks for {', '.join(readers)}")
+
+
+def _chunk_product(emit: Emitter, consumer: Consumer, site: Site, chunk: fx.Node, j: int) -> fx.Node:
+    """The consumer matmul's share of chunk ``j`` (held in ``chunk``)."""
+    mm = consumer.mm
+    width = fake(consumer.view or site.tensor).shape[-1]
+    rows = _as_rows(emit, chunk, width)  # the chunk as rows of the matmul's 2-D operand
+    if consumer.role == "rows":  # y[rows of j] = chunk @ W
+        return _matmul_like(emit, consumer, rows)
+    other = right_operand(mm) if consumer.permute is not None and consumer.role == "contraction" else left_operand(mm)
+    transposed = emit(aten.permute.default, rows, [1, 0])
+    if consumer.role == "columns":  # y[:, columns of j] = X @ chunk^T
+        return emit(MM, other, transposed)
+    size = fake(rows).shape[0]
+    if consumer.permute is not None:  # y += chunk^T @ dY[rows of j]
+        return emit(MM, transposed, emit(aten.slice.Tensor, other, 0, j * size, (j + 1) * size))
+    return emit(MM, emit(aten.slice.Tensor, other, 1, j * size, (j + 1) * size), rows)  # y += A[:, j] @ chunk
+
+
+def _assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int, order: list[int]) -> fx.Node:
+    """The consumer's full result from its per-chunk pieces (indexed by chunk)."""
+    if consumer.role == "contraction":  # partial products, summed in ring order
+        # One matmul would accumulate the whole contraction in fp32 and round once; summing
+        # rounded low-precision partials would lose that, so sum them in fp32.
+        dtype = fake(consumer.mm).dtype
+        wide = dtype in (torch.bfloat16, torch.float16)
+        parts = [emit(torch.ops.prims.convert_element_type.default, pieces[j], torch.float32) if wide else pieces[j] for j in order]
+        total = parts[0]
+        for part in parts[1:]:
+            total = emit(aten.add.Tensor, total, part)
+        return emit(torch.ops.prims.convert_element_type.default, total, dtype) if wide else total
+    y = emit(aten.cat.default, pieces, 1 if consumer.role == "columns" else d)
+    return y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape))
 
 
 def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
@@ -106,7 +136,7 @@ def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.c
     acc = None  # partial sum of this step's chunk, in flight from rank r-1
     for i in range(n):
         j = (r - 1 - i) % n
-        compute = [_matmul_like(emit, term.mm, rows_of(j)) for term, rows_of in zip(site.consumers, chunk_rows)]
+        compute = [_matmul_like(emit, term, rows_of(j)) for term, rows_of in zip(site.consumers, chunk_rows)]
         p = compute[0]
         for part in compute[1:]:
             p = emit(aten.add.Tensor, p, part)
@@ -137,9 +167,11 @@ def _chunk_rows(emit: Emitter, matmul: fx.Node, site: Site):
     )
 
 
-def _matmul_like(emit: Emitter, matmul: fx.Node, rows: fx.Node) -> fx.Node:
-    """``matmul`` (mm or addmm) applied to other rows of its left operand."""
-    if matmul.target is ADDMM:
+def _matmul_like(emit: Emitter, consumer: Consumer, rows: fx.Node) -> fx.Node:
+    """The consumer's matmul (mm, addmm with a 1-D bias, or an addmm's product alone)
+    applied to other rows of its left operand."""
+    matmul = consumer.mm
+    if matmul.target is ADDMM and consumer.role != "product":
         return emit(ADDMM, matmul.args[0], rows, right_operand(matmul))
     return emit(MM, rows, right_operand(matmul))
 
@@ -154,12 +186,13 @@ def _as_rows(emit: Emitter, chunk: fx.Node, width: int) -> fx.Node:
 
 def _whole_tensor_readers(site: Site) -> list[str]:
     """Nodes that still read the whole gathered tensor (directly or through a consumer's
-    reshape) once the consumer matmuls are rewritten, e.g. a save for backward."""
-    mms = {c.mm for c in site.consumers}
-    views = {c.view for c in site.consumers if c.view is not None}
-    names = [u.name for u in site.tensor.users if u not in mms and u not in views]
-    for view in views:
-        names += [f"{u.name} (via {view.name})" for u in view.users if u not in mms]
+    reshape or transpose) once the consumer matmuls are rewritten, e.g. a save for backward."""
+    chain = {c.view for c in site.consumers} | {c.permute for c in site.consumers}
+    covered = chain | {c.mm for c in site.consumers}
+    names = []
+    for node in [site.tensor, *(n for n in chain if n is not None)]:
+        via = "" if node is site.tensor else f" (via {node.name})"
+        names += [f"{u.name}{via}" for u in node.users if u not in covered]
     return names
 
 

@@ -27,6 +27,12 @@ class Consumer:
 
     mm: fx.Node
     view: fx.Node | None = None
+    # Flash-AG only: what the gathered dim is to the matmul. "rows": rows of the left operand
+    # (chunks of output rows); "columns": columns of the right operand through a transpose
+    # (FSDP-style weight gather: chunks of output columns); "contraction": the contracted dim
+    # (each chunk gives a partial product, summed).
+    role: str = "rows"
+    permute: fx.Node | None = None  # the [1, 0] transpose between view and matmul, if any
 
 
 @dataclasses.dataclass

@@ -38,7 +38,8 @@ def post_grad_graphs(fn, *inputs: torch.Tensor, backward: bool = True) -> dict[s
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend)(*inputs)
     if backward:
-        out.sum().backward()
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in outs).backward()
     return dict(capture.graphs)
 
 
@@ -69,6 +70,12 @@ def _through_reshapes(node: fx.Node) -> fx.Node:
     return node
 
 
+def _hops_to_chunk(mm: fx.Node, source: fx.Node) -> int | None:
+    """Hops travelled by the chunk a matmul reads, through whichever operand holds it."""
+    hops = [hops_from(operand, source) for operand in mm.args[:2]]
+    return next((h for h in hops if h is not None), None)
+
+
 def flash_ag_order(graph: fx.Graph, shard: str) -> list[list[tuple[int, int]]]:
     """Per consumer matmul: (chunk, hops) of its chunk matmuls in graph order. The chunk index
     is the matmul's position in the output concatenation, hops how far its input travelled."""
@@ -80,20 +87,24 @@ def flash_ag_order(graph: fx.Graph, shard: str) -> list[list[tuple[int, int]]]:
             inputs = [_through_reshapes(a) for a in node.args[0]]
             if all(i.target is MM for i in inputs):
                 steps = sorted(range(len(inputs)), key=lambda chunk: order[inputs[chunk]])
-                consumers.append([(chunk, hops_from(inputs[chunk].args[0], source)) for chunk in steps])
+                consumers.append([(chunk, _hops_to_chunk(inputs[chunk], source)) for chunk in steps])
     return consumers
 
 
-def flash_rs_order(graph: fx.Graph) -> list[int]:
-    """The chunk computed at each step of a Flash-RS ring, in graph order (a step with several
-    matmul terms counts once)."""
+def sliced_chunk_order(graph: fx.Graph, names: set[str]) -> list[int]:
+    """For the matmuls named ``names``, in graph order: which chunk of their sliced left operand
+    they read (consecutive matmuls on the same chunk count once)."""
     order: list[int] = []
     for node in graph.nodes:
-        if node.target is MM:
-            rows = _through_reshapes(node.args[0])
-            if rows.target is aten.slice.Tensor:
-                _, dim, start, end = rows.args
-                chunk = start // (end - start)
-                if not order or order[-1] != chunk:
-                    order.append(chunk)
+        if node.name in names:
+            _, dim, start, end = _through_reshapes(node.args[0]).args
+            chunk = start // (end - start)
+            if not order or order[-1] != chunk:
+                order.append(chunk)
     return order
+
+
+def flash_rs_order(graph: fx.Graph, site) -> list[int]:
+    """The chunk computed at each step of ``site``'s Flash-RS ring, read from the row slices
+    its matmuls take."""
+    return sliced_chunk_order(graph, {node.name for step in site.steps for node in step.compute})

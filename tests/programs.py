@@ -60,12 +60,21 @@ def sequence_parallel(x, w1, w2):
     return funcol.reduce_scatter_tensor(y, "sum", 1, _group())
 
 
+def weight_gather(x, w1, w2):
+    """FSDP-style: the weight is gathered. It feeds one matmul through a transpose (chunks of
+    output columns) and one as the right operand (chunks of the contraction dim)."""
+    w = funcol.all_gather_tensor(w2, 0, _group())  # [N·F, H]
+    u = torch.cat([torch.relu(x @ w1)] * dist.get_world_size(), dim=1)  # [rows, N·F], not from w
+    return x @ w.t(), u @ w
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (6, 16)),
     "leading_dims": (leading_dims, (2, 3, 16)),
     "reused": (reused, (6, 16)),
     "sequence_parallel": (sequence_parallel, (2, 3, 16)),  # sharded on dim 1
+    "weight_gather": (weight_gather, (6, 16)),
 }
 SHARD_DIM = {"sequence_parallel": 1}
 HIDDEN, FFN = 16, 32

@@ -30,6 +30,9 @@ EXPECTED_SITES = {
     # backward reduce-scatter: a sum of products, left for now with a reason.
     "reused": REWRITTEN_EVERYWHERE[:3] + [("backward", "mm→reduce_scatter", "skipped")],
     "sequence_parallel": REWRITTEN_EVERYWHERE,
+    # Forward: the weight gather (columns + contraction consumers); backward: its gradient's
+    # reduce-scatter, a sum of two matmuls.
+    "weight_gather": [("forward", "all_gather→mm", "rewritten"), ("backward", "mm→reduce_scatter", "rewritten")],
 }
 
 
@@ -54,7 +57,7 @@ def test_ring_exchange_does_not_leak_work(ranks):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("program", ["canonical", "leading_dims", "reused", "sequence_parallel"])
+@pytest.mark.parametrize("program", list(EXPECTED_SITES))
 def test_matches_eager(ranks, program, dtype):
     results = ranks.run(check_against_eager, program, dtype)
     for rank, result in enumerate(results):

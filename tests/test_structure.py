@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
-from graphs import copy_graph, flash_ag_order, flash_rs_order, post_grad_graphs, ring_exchanges
+from graphs import copy_graph, flash_ag_order, flash_rs_order, post_grad_graphs, ring_exchanges, sliced_chunk_order
 
 import commfuse_compile
 from commfuse_compile.options import CommfuseOptions
@@ -59,7 +59,7 @@ def test_chunk_order_of_every_rank(mlp_graphs, kind):
         # Flash-AG: step k computes chunk (r - k) mod N, received after k hops from r - 1.
         assert flash_ag_order(graph, shard) == [[((r - k) % WORLD, k) for k in range(WORLD)]]
         # Flash-RS: step i computes chunk (r - 1 - i) mod N; the rank's own chunk comes last.
-        rs_order = flash_rs_order(graph)
+        rs_order = flash_rs_order(graph, sites[1])
         assert rs_order == [(r - 1 - i) % WORLD for i in range(WORLD)]
         assert rs_order[-1] == r
 
@@ -95,11 +95,31 @@ def test_sequence_parallel_chunk_order_of_every_rank(sp_graphs, kind):
         assert (ag.decision, ag.dim, rs.decision, rs.dim) == ("rewrite", 1, "rewrite", 1), [s.reason for s in sites]
         expected_ag = [((r - k) % WORLD, k) for k in range(WORLD)]
         assert flash_ag_order(graph, shard) == [expected_ag] * len(ag.consumers)
-        assert flash_rs_order(graph) == [(r - 1 - i) % WORLD for i in range(WORLD)]
+        assert flash_rs_order(graph, rs) == [(r - 1 - i) % WORLD for i in range(WORLD)]
         if kind == "forward":  # q/k-style: one ring feeds both matmuls; y is a sum of two
             assert len(ag.consumers) == 2 and all(len(step.compute) == 2 for step in ag.steps)
             assert len(rs.consumers) == 2 and all(len(step.compute) == 2 for step in rs.steps)
         assert len(ring_exchanges(graph)) == 2 * (WORLD - 1)
+
+
+def test_weight_gather_columns_and_contraction_of_every_rank(world):
+    from programs import weight_gather
+
+    x, w1, w2 = torch.randn(6, 16), torch.randn(16, 32), torch.randn(32, 16)
+    graphs = post_grad_graphs(weight_gather, *(t.requires_grad_() for t in (x, w1, w2)))
+    (gather,) = [n for n in graphs["forward"].nodes if "all_gather" in n.name]
+    shard = gather.args[0].name
+    for r in range(WORLD):
+        graph, sites, _ = rewrite_as(graphs["forward"], r, "forward", pin_order=False)
+        (ag,) = sites
+        assert ag.decision == "rewrite", ag.reason
+        assert sorted(c.role for c in ag.consumers) == ["columns", "contraction"]
+        expected = [((r - k) % WORLD, k) for k in range(WORLD)]
+        assert flash_ag_order(graph, shard) == [expected]  # columns: cat along dim 1
+        contraction = ag.consumers[[c.role for c in ag.consumers].index("contraction")]
+        partials = {step.compute[ag.consumers.index(contraction)].name for step in ag.steps}
+        # contraction: step k multiplies the columns of chunk (r - k) of the other operand
+        assert sliced_chunk_order(graph, partials) == [c for c, _ in expected]
 
 
 def test_collectives_are_gone_and_the_gather_is_rebuilt_from_chunks(mlp_graphs):
