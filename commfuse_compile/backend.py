@@ -106,7 +106,10 @@ def commfuse(
             report.cache_hits,
         )
     if not report.rewritten and not report.cache_hits:
-        reasons = "; ".join(sorted({s.reason for s in report.skipped})) or "no all-gather or reduce-scatter in the graph"
+        reasons = "; ".join(sorted({s.reason for s in report.skipped})) or (
+            "no all-gather or reduce-scatter in the graph (collectives issued outside compiled "
+            "graphs, e.g. by FSDP2's hooks, never reach commfuse)"
+        )
         log.warning(
             "commfuse rewrote nothing in compile %d (graphs %s): %s",
             report.compile_id,

@@ -39,9 +39,10 @@ from .graph_utils import (
     fake,
     left_operand,
     right_operand,
+    static_shape,
     target_name,
 )
-from .site import Consumer, Site
+from .site import SYMBOLIC_SIZES, Consumer, Site
 
 
 def find_sites(graph: fx.Graph, graph_kind: str) -> list[Site]:
@@ -144,6 +145,8 @@ def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
     shard, group_size, group_name = ag.args[:3]
     site = Site("all_gather→mm", graph_kind, ag, _single_wait(ag), group_name, group_size)
     site.shapes["shard"] = list(fake(shard).shape)
+    if static_shape(shard) is None:  # (checked first: symbolic sizes add sym_size readers)
+        return site.skip(SYMBOLIC_SIZES)
     if site.wait is None:
         return site.skip(f"all-gather is not read through a single wait_tensor (users: {describe_users(ag)})")
     site.tensor, site.dim = _split_cat(site.wait, group_size, 0) or (site.wait, 0)
@@ -195,6 +198,8 @@ def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Site:
     scattered, reduce_op, group_size, group_name = rs.args[:4]
     site = Site("mm→reduce_scatter", graph_kind, rs, _single_wait(rs), group_name, group_size)
     site.shapes["input"] = list(fake(scattered).shape)
+    if static_shape(scattered) is None:
+        return site.skip(SYMBOLIC_SIZES)
     if site.wait is None:
         return site.skip(f"reduce-scatter is not read through a single wait_tensor (users: {describe_users(rs)})")
     if reduce_op != "sum":

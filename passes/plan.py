@@ -12,7 +12,7 @@ from math import prod
 from commfuse_compile.options import CommfuseOptions
 
 from .graph_utils import ADDMM, MM, left_operand, static_shape
-from .site import Site
+from .site import SYMBOLIC_SIZES, Site
 
 
 def plan_site(site: Site, options: CommfuseOptions) -> Site:
@@ -25,7 +25,7 @@ def plan_site(site: Site, options: CommfuseOptions) -> Site:
         return site.skip("group size 1: nothing to exchange")
     tensor = static_shape(site.tensor)
     if tensor is None:
-        return site.skip("symbolic sizes: chunks cannot be cut statically")
+        return site.skip(SYMBOLIC_SIZES)
     if site.pattern == "all_gather→mm":
         return _plan_all_gather(site, tensor)
     return _plan_reduce_scatter(site, tensor)

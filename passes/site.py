@@ -13,6 +13,7 @@ import torch.fx as fx
 
 Pattern = Literal["all_gather→mm", "mm→reduce_scatter"]
 Decision = Literal["pending", "rewrite", "skip"]
+SYMBOLIC_SIZES = "symbolic sizes: chunks cannot be cut statically"
 
 
 @dataclasses.dataclass

@@ -130,14 +130,14 @@ def site_summary(report: commfuse_compile.CompileReport) -> list[tuple[str, str,
 # ---- functions run on every rank (module level so the rank pool can import them) ----------
 
 
-def check_against_eager(program: str, dtype_name: str, options: dict | None = None) -> dict:
+def check_against_eager(program: str, dtype_name: str, options: dict | None = None, dynamic: bool | None = None) -> dict:
     """Compile ``program`` with commfuse; compare outputs and grads with eager on this rank."""
     torch._dynamo.reset()
     dtype = DTYPES[dtype_name]
     fn, _ = PROGRAMS[program]
     inputs = make_inputs(program, dist.get_rank(), dist.get_world_size(), dtype)
     expected = forward_backward(fn, inputs)
-    compiled = torch.compile(fn, backend="commfuse", options=options)
+    compiled = torch.compile(fn, backend="commfuse", options=options, dynamic=dynamic)
     actual = forward_backward(compiled, inputs)
     again = forward_backward(compiled, inputs)  # a second call reuses the compiled ring
     return dict(
