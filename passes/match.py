@@ -134,13 +134,6 @@ def _matmul_consumers(gathered: fx.Node) -> Iterator[Consumer]:
                 )
 
 
-def other_operand(consumer: Consumer, gathered: fx.Node) -> fx.Node:
-    """The operand of the consumer matmul that is not (derived from) the gathered tensor."""
-    reads = consumer.permute or consumer.view or gathered
-    mm = consumer.mm
-    return right_operand(mm) if left_operand(mm) is reads else left_operand(mm)
-
-
 def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
     shard, group_size, group_name = ag.args[:3]
     site = Site("all_gather→mm", graph_kind, ag, _single_wait(ag), group_name, group_size)
@@ -157,14 +150,14 @@ def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
         return site.skip(f"no matmul reads the gathered tensor (users: {describe_users(site.tensor)})")
     downstream = nx.descendants(flow, site.wait)
     for consumer in consumers:
-        if other_operand(consumer, site.tensor) in downstream:
+        if consumer.other_operand(site.tensor) in downstream:
             site.notes.append(f"{consumer.mm.name}: its other operand depends on the gathered tensor; left as is")
         else:
             site.consumers.append(consumer)
     if not site.consumers:
         return site.skip("the other operand of every consuming matmul depends on the gathered tensor")
     for i, consumer in enumerate(site.consumers):
-        site.shapes[f"{consumer.role}{i}"] = list(fake(other_operand(consumer, site.tensor)).shape)
+        site.shapes[f"{consumer.role}{i}"] = list(fake(consumer.other_operand(site.tensor)).shape)
     return site
 
 

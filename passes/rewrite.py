@@ -16,6 +16,10 @@ After (rank r)::
     y = view(cat([y_0, ..., y_{N-1}], d), [R, M])   # each chunk at its own offset
     G = cat([x_0, ..., x_{N-1}], d)                 # only if G has other readers (saved for bw)
 
+A consumer may also read the gathered rows as the *columns* of its output (``X @ G.t()``,
+a weight gather: y_j = X @ chunk.t(), concatenated along dim 1) or as its *contraction* dim
+(``G.t() @ dY`` or ``A @ G``: y += chunk.t() @ dY[rows of j], summed over the steps).
+
 Flash-RS. Before (P is a sum of matmul terms, scattered in chunks along dim d)::
 
     P = view(mm(A_1, B_1) + ... + mm(A_t, B_t))
@@ -97,12 +101,11 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
 
 def _chunk_product(emit: Emitter, consumer: Consumer, site: Site, chunk: fx.Node, j: int) -> fx.Node:
     """The consumer matmul's share of chunk ``j`` (held in ``chunk``)."""
-    mm = consumer.mm
     width = fake(consumer.view or site.tensor).shape[-1]
     rows = _as_rows(emit, chunk, width)  # the chunk as rows of the matmul's 2-D operand
     if consumer.role == "rows":  # y[rows of j] = chunk @ W
         return _matmul_like(emit, consumer, rows)
-    other = right_operand(mm) if consumer.permute is not None and consumer.role == "contraction" else left_operand(mm)
+    other = consumer.other_operand(site.tensor)
     transposed = emit(aten.permute.default, rows, [1, 0])
     if consumer.role == "columns":  # y[:, columns of j] = X @ chunk^T
         return emit(MM, other, transposed)
@@ -129,7 +132,7 @@ def _assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int, 
 
 
 def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
-    n, d, group = site.group_size, site.dim, site.group_name
+    n, group = site.group_size, site.group_name
     emit = Emitter(graph, before=site.wait)
     exchange = _exchange_op()
     chunk_rows = [_chunk_rows(emit, term.mm, site) for term in site.consumers]

@@ -11,6 +11,8 @@ from typing import Literal
 
 import torch.fx as fx
 
+from .graph_utils import left_operand, right_operand
+
 Pattern = Literal["all_gather→mm", "mm→reduce_scatter"]
 Decision = Literal["pending", "rewrite", "skip"]
 SYMBOLIC_SIZES = "symbolic sizes: chunks cannot be cut statically"
@@ -34,6 +36,11 @@ class Consumer:
     # (each chunk gives a partial product, summed).
     role: str = "rows"
     permute: fx.Node | None = None  # the [1, 0] transpose between view and matmul, if any
+
+    def other_operand(self, gathered: fx.Node) -> fx.Node:
+        """Flash-AG: the matmul operand that is not (derived from) the gathered tensor."""
+        reads = self.permute or self.view or gathered
+        return right_operand(self.mm) if left_operand(self.mm) is reads else left_operand(self.mm)
 
 
 @dataclasses.dataclass
