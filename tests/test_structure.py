@@ -102,6 +102,33 @@ def test_sequence_parallel_chunk_order_of_every_rank(sp_graphs, kind):
         assert len(ring_exchanges(graph)) == 2 * (WORLD - 1)
 
 
+def test_dtensor_sequence_parallel_split_form_of_every_rank(world):
+    """DTensor SP emits split + getitem (not slices) around its collectives: the feed-forward
+    half of the Llama block under its TP + SP plan, read back on every rank of 8."""
+    from llama import FeedForward, tp_plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    # Inside a container, so that the input hook (Shard(1) -> Replicate) is part of the graph.
+    plan = {k.replace("feed_forward", "0"): v for k, v in tp_plan().items() if k.startswith("feed_forward")}
+    ffn = parallelize_module(torch.nn.Sequential(FeedForward()), mesh, plan)
+    graphs = post_grad_graphs(ffn, torch.randn(2, 2, 32, requires_grad=True))  # [B, S/N, H]
+    for kind in ("forward", "backward"):
+        for r in range(WORLD):
+            graph, sites, _ = rewrite_as(graphs[kind], r, kind, pin_order=False)
+            assert [(s.pattern, s.decision, s.dim) for s in sites] == [
+                ("all_gather→mm", "rewrite", 1), ("mm→reduce_scatter", "rewrite", 1)
+            ], [s.reason for s in sites]
+            ag, rs = sites
+            assert [s.chunk for s in ag.steps] == [(r - k) % WORLD for k in range(WORLD)]
+            assert flash_rs_order(graph, rs) == [(r - 1 - i) % WORLD for i in range(WORLD)]
+            if kind == "forward":
+                assert len(ag.consumers) == 2  # w1 and w3 share one ring
+            else:
+                assert len(rs.consumers) == 2  # dX of w1 and w3: a sum of two matmuls
+
+
 def test_weight_gather_columns_and_contraction_of_every_rank(world):
     from programs import weight_gather
 
