@@ -37,11 +37,8 @@ def _plan_all_gather(site: Site, gathered: list[int]) -> Site:
         why_not = _matmul_problem(consumer.mm) or _chunk_problem(
             gathered, site.dim, site.group_size, static_shape(consumer.view or site.tensor)
         )
-        if consumer.role != "rows" and not why_not:
-            if site.dim:
-                why_not = f"gather on dim {site.dim} feeding the {consumer.role} of a matmul: not yet supported"
-            elif consumer.mm.target is not MM:
-                why_not = f"{consumer.role} of an addmm: not yet supported"
+        if consumer.role != "rows" and not why_not and consumer.mm.target is not MM:
+            why_not = f"{consumer.role} of an addmm: not yet supported"
         if why_not:
             site.notes.append(f"{consumer.mm.name}: {why_not}; left as is")
         else:

@@ -81,9 +81,7 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
         for c, consumer in enumerate(site.consumers):
             y_j = _chunk_product(emit, consumer, site, cur, j)
             compute.append(y_j)
-            # Along dim 0 a chunk's rows are a block of the output; along d > 0 they are
-            # not, so each chunk's result goes back to the chunk's own layout first.
-            pieces[c][j] = y_j if d == 0 else emit(aten.reshape.default, y_j, [*fake(cur).shape[:-1], -1])
+            pieces[c][j] = _in_chunk_layout(emit, consumer, y_j, cur, d)
         wait = emit(WAIT, start) if start is not None else None
         site.steps.append(RingStep(chunk=j, compute=compute, start=start, wait=wait))
         if wait is not None:
@@ -100,7 +98,7 @@ def _flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count
 
 
 def _chunk_product(emit: Emitter, consumer: Consumer, site: Site, chunk: fx.Node, j: int) -> fx.Node:
-    """The consumer matmul's share of chunk ``j`` (held in ``chunk``)."""
+    """The consumer matmul applied to chunk ``j`` (held in ``chunk``)."""
     width = fake(consumer.view or site.tensor).shape[-1]
     rows = _as_rows(emit, chunk, width)  # the chunk as rows of the matmul's 2-D operand
     if consumer.role == "rows":  # y[rows of j] = chunk @ W
@@ -109,10 +107,37 @@ def _chunk_product(emit: Emitter, consumer: Consumer, site: Site, chunk: fx.Node
     transposed = emit(aten.permute.default, rows, [1, 0])
     if consumer.role == "columns":  # y[:, columns of j] = X @ chunk^T
         return emit(MM, other, transposed)
-    size = fake(rows).shape[0]
     if consumer.permute is not None:  # y += chunk^T @ dY[rows of j]
-        return emit(MM, transposed, emit(aten.slice.Tensor, other, 0, j * size, (j + 1) * size))
-    return emit(MM, emit(aten.slice.Tensor, other, 1, j * size, (j + 1) * size), rows)  # y += A[:, j] @ chunk
+        return emit(MM, transposed, _rows_of_chunk(emit, other, site, j))
+    # y += A[:, columns of j] @ chunk
+    columns = _rows_of_chunk(emit, emit(aten.permute.default, other, [1, 0]), site, j)
+    return emit(MM, emit(aten.permute.default, columns, [1, 0]), rows)
+
+
+def _rows_of_chunk(emit: Emitter, matrix: fx.Node, site: Site, j: int) -> fx.Node:
+    """The rows of a 2-D ``matrix`` whose rows are the flattened leading dims of the gathered
+    tensor, that belong to chunk ``j``: a row block on dim 0, a slice of the un-flattened
+    view on dim d > 0 (those rows are not contiguous), flattened again."""
+    n, d = site.group_size, site.dim
+    leading = list(fake(site.tensor).shape[:-1])
+    width = fake(matrix).shape[1]
+    if d == 0:
+        size = fake(matrix).shape[0] // n
+        return emit(aten.slice.Tensor, matrix, 0, j * size, (j + 1) * size)
+    size = leading[d] // n
+    unflat = emit(aten.reshape.default, matrix, [*leading, width])
+    return emit(aten.reshape.default, emit(aten.slice.Tensor, unflat, d, j * size, (j + 1) * size), [-1, width])
+
+
+def _in_chunk_layout(emit: Emitter, consumer: Consumer, y_j: fx.Node, chunk: fx.Node, d: int) -> fx.Node:
+    """Along dim 0 a chunk's output rows (or columns) are a block of the output; along d > 0
+    they are not, so the piece goes back to the chunk's own layout before the concatenation."""
+    if d == 0 or consumer.role == "contraction":
+        return y_j
+    leading = list(fake(chunk).shape[:-1])
+    if consumer.role == "rows":
+        return emit(aten.reshape.default, y_j, [*leading, -1])
+    return emit(aten.reshape.default, y_j, [fake(y_j).shape[0], *leading])  # columns
 
 
 def _assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int, order: list[int]) -> fx.Node:
@@ -122,12 +147,14 @@ def _assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int, 
         # rounded low-precision partials would lose that, so sum them in fp32.
         dtype = fake(consumer.mm).dtype
         wide = dtype in (torch.bfloat16, torch.float16)
-        parts = [emit(torch.ops.prims.convert_element_type.default, pieces[j], torch.float32) if wide else pieces[j] for j in order]
+        to = torch.ops.prims.convert_element_type.default
+        parts = [emit(to, pieces[j], torch.float32) if wide else pieces[j] for j in order]
         total = parts[0]
         for part in parts[1:]:
             total = emit(aten.add.Tensor, total, part)
-        return emit(torch.ops.prims.convert_element_type.default, total, dtype) if wide else total
-    y = emit(aten.cat.default, pieces, 1 if consumer.role == "columns" else d)
+        return emit(to, total, dtype) if wide else total
+    columns = consumer.role == "columns"
+    y = emit(aten.cat.default, pieces, 1 + d if columns else d)
     return y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape))
 
 

@@ -65,7 +65,7 @@ def hops_from(node: fx.Node, source: fx.Node) -> int | None:
 
 
 def _through_reshapes(node: fx.Node) -> fx.Node:
-    while node.target in (aten.reshape.default, aten.view.default):
+    while node.target in (aten.reshape.default, aten.view.default, aten.permute.default):
         node = node.args[0]
     return node
 
