@@ -47,9 +47,11 @@ def test_llama_block_on_a_2d_mesh(ranks):
     results = ranks.run(train_llama_block, STEPS, (2, 2))
     tp_groups = set()
     for result in results:
-        # With the dp all-reduce in the graph, plain Inductor (no commfuse) already differs from
-        # eager by up to 1.5e-4 relative on these grads (measured); a wrong ring is off by O(1).
-        check(result, 2, tol=1e-3)
+        # With the dp all-reduce in the graph, the q/k weight grads of this setup are sensitive
+        # to summation order: plain Inductor (no commfuse) already differs from eager by 1.4e-4
+        # relative, commfuse (which also splits the wgrad contraction) by 9.7e-4 (measured,
+        # rank 0; other ranks ~5e-5). A wrong ring or chunk is off by O(1).
+        check(result, 2, tol=5e-3)
         tp_groups.add(result["tp_group"])
     assert len(tp_groups) == 2  # two tp groups ({0,1}, {2,3}), each rank rings within its own
     worst = max(max(r["diffs"].values()) for r in results)
