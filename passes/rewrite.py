@@ -116,7 +116,7 @@ def _chunk_product(emit: Emitter, consumer: Consumer, site: Site, chunk: fx.Node
 
 def _rows_of_chunk(emit: Emitter, matrix: fx.Node, site: Site, j: int) -> fx.Node:
     """The rows of a 2-D ``matrix`` whose rows are the flattened leading dims of the gathered
-    tensor, that belong to chunk ``j``: a row block on dim 0, a slice of the un-flattened
+    (or scattered) tensor, that belong to chunk ``j``: a row block on dim 0, a slice of the un-flattened
     view on dim d > 0 (those rows are not contiguous), flattened again."""
     n, d = site.group_size, site.dim
     leading = list(fake(site.tensor).shape[:-1])
@@ -162,11 +162,12 @@ def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.c
     n, group = site.group_size, site.group_name
     emit = Emitter(graph, before=site.wait)
     exchange = _exchange_op()
-    chunk_rows = [_chunk_rows(emit, term.mm, site) for term in site.consumers]
     acc = None  # partial sum of this step's chunk, in flight from rank r-1
     for i in range(n):
         j = (r - 1 - i) % n
-        compute = [_matmul_like(emit, term, rows_of(j)) for term, rows_of in zip(site.consumers, chunk_rows)]
+        compute = [
+            _matmul_like(emit, term, _rows_of_chunk(emit, left_operand(term.mm), site, j)) for term in site.consumers
+        ]
         p = compute[0]
         for part in compute[1:]:
             p = emit(aten.add.Tensor, p, part)
@@ -177,24 +178,6 @@ def _flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.c
         acc = emit(exchange, p, (r + 1) % n, (r - 1) % n, group, next(tags)) if i < n - 1 else None
     result = emit(aten.reshape.default, p, list(fake(site.wait).shape))
     site.wait.replace_all_uses_with(result)
-
-
-def _chunk_rows(emit: Emitter, matmul: fx.Node, site: Site):
-    """A function j -> the rows of ``matmul``'s left operand that produce chunk j of the
-    scattered tensor (a plain row slice along dim 0; a slice of the un-flattened view along
-    d > 0, flattened again)."""
-    lhs = left_operand(matmul)
-    n, d = site.group_size, site.dim
-    if d == 0:
-        rows = fake(matmul).shape[0] // n
-        return lambda j: emit(aten.slice.Tensor, lhs, 0, j * rows, (j + 1) * rows)
-    leading = list(fake(site.tensor).shape[:-1])
-    width = fake(lhs).shape[1]
-    unflat = emit(aten.reshape.default, lhs, [*leading, width])
-    size = leading[d] // n
-    return lambda j: emit(
-        aten.reshape.default, emit(aten.slice.Tensor, unflat, d, j * size, (j + 1) * size), [-1, width]
-    )
 
 
 def _matmul_like(emit: Emitter, consumer: Consumer, rows: fx.Node) -> fx.Node:
