@@ -9,6 +9,7 @@ and :func:`last_report` for what the pass did.
 from . import p2p  # noqa: F401  (registers torch.ops.commfuse.ring_exchange)
 from .options import CommfuseOptions
 from .report import CompileReport, SiteRecord, StepRecord, clear_reports, last_report, reports
+from .fsdp import simple_fsdp
 
 __version__ = "0.1.0"
 
@@ -20,4 +21,5 @@ __all__ = [
     "clear_reports",
     "last_report",
     "reports",
+    "simple_fsdp",
 ]

@@ -210,7 +210,9 @@ def _compare(device: torch.device) -> None:
 
     eager = _forward_backward(model, x, grad_out)
     commfuse_compile.clear_reports()
-    compiled = _forward_backward(torch.compile(model, backend="commfuse"), x, grad_out)
+    # The demo's sizes are far too small for schedule="auto" to decompose anything on CPU
+    # (it would rightly leave them alone): ask for the ring to show it.
+    compiled = _forward_backward(torch.compile(model, backend="commfuse", options={"schedule": "ring"}), x, grad_out)
     report = commfuse_compile.last_report()  # forward and backward: one backend call
 
     # Each rank measures its own shards; MAX over ranks gives the worst anywhere.

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
+
+SCHEDULES = ("auto", "ring", "bidirectional", "slicing", "off")
+PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,15 +16,34 @@ class CommfuseOptions:
     """Validated options. Every field can be set through ``options={...}``.
 
     Attributes:
-        flash_ag: decompose all-gather → matmul into the Flash-AG ring.
-        flash_rs: decompose matmul → reduce-scatter into the Flash-RS ring.
-        pin_order: pin every ring step as start → matmul → wait in Inductor's generated code.
+        schedule: how each all-gather → matmul / matmul → reduce-scatter is decomposed.
+            ``"auto"``: the cost model picks per match among the others (or leaves it alone);
+            ``"ring"``: the CommFuse ring; ``"bidirectional"``: the ring with half of each chunk
+            travelling each way; ``"slicing"``: the data-slicing baseline (K sliced collectives,
+            each overlapping the next slice's matmul); ``"off"``: match and record, rewrite nothing.
+        chunks_per_rank: ring / bidirectional: each rank's chunk is cut into this many pieces
+            (the paper's m). Slicing: the number of slices. ``None``: 1 for the rings, 4 for
+            slicing, and for ``auto`` the cost model's choice.
+        profile: the hardware the cost model assumes: a built-in name
+            (:func:`commfuse_compile.profiles.names`), a dict of
+            :class:`~commfuse_compile.profiles.HardwareProfile` fields, or ``None`` for the
+            profile of the device the graph runs on.
+        min_speedup: ``auto`` decomposes a match only if the estimated time of vanilla over
+            that of the chosen schedule is at least this; a float for every pattern or a dict
+            keyed by ``"all_gather_matmul"`` / ``"matmul_reduce_scatter"``.
+        flash_ag: decompose all-gather → matmul at all.
+        flash_rs: decompose matmul → reduce-scatter at all.
+        pin_order: pin every step as start → matmul → wait in Inductor's generated code.
             Without it Inductor's peak-memory reordering may pull each wait up to its start,
             which keeps results exact but removes the overlap.
         strict: if the pass raises on a graph, re-raise instead of warning and compiling that
             graph unrewritten.
     """
 
+    schedule: str = "auto"
+    chunks_per_rank: int | None = None
+    profile: str | Mapping[str, Any] | None = None
+    min_speedup: float | Mapping[str, float] = 1.0
     flash_ag: bool = True
     flash_rs: bool = True
     pin_order: bool = True
@@ -44,17 +67,46 @@ class CommfuseOptions:
                 f"unknown commfuse option(s) {', '.join(map(repr, unknown))}; "
                 f"valid keys: {', '.join(cls.valid_keys())}"
             )
-        for key, value in options.items():
-            if not isinstance(value, bool):
-                raise ValueError(
-                    f"commfuse option {key!r} must be True or False, got {value!r}"
-                )
-        return cls(**options)
+        for key in ("flash_ag", "flash_rs", "pin_order", "strict"):
+            if key in options and not isinstance(options[key], bool):
+                raise ValueError(f"commfuse option {key!r} must be True or False, got {options[key]!r}")
+        made = cls(**options)
+        made._check()
+        return made
+
+    def _check(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"commfuse option 'schedule' must be one of {', '.join(map(repr, SCHEDULES))}, got {self.schedule!r}")
+        m = self.chunks_per_rank
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"commfuse option 'chunks_per_rank' must be an int >= 1 or None, got {m!r}")
+        if self.schedule == "off" and m is not None:
+            raise ValueError("commfuse option 'chunks_per_rank' has no effect with schedule='off'; drop one of them")
+        speedups = self.min_speedup if isinstance(self.min_speedup, Mapping) else {k: self.min_speedup for k in PATTERN_KINDS}
+        unknown = sorted(set(speedups) - set(PATTERN_KINDS))
+        if unknown:
+            raise ValueError(f"commfuse option 'min_speedup': unknown pattern(s) {unknown}; valid: {', '.join(PATTERN_KINDS)}")
+        for kind, value in speedups.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"commfuse option 'min_speedup' for {kind} must be a number > 0, got {value!r}")
+        from .profiles import resolve_profile
+
+        if self.profile is not None:
+            resolve_profile(self.profile)  # raises naming the option and the valid names / fields
+
+    def min_speedup_for(self, kind: str) -> float:
+        """The ``min_speedup`` threshold of pattern ``kind`` ("all_gather_matmul" | "matmul_reduce_scatter")."""
+        if isinstance(self.min_speedup, Mapping):
+            return float(self.min_speedup.get(kind, 1.0))
+        return float(self.min_speedup)
 
     @classmethod
     def valid_keys(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.valid_keys()}
+
     def cache_key(self) -> str:
         """A stable string covering every option (part of the Inductor cache key)."""
-        return ";".join(f"{k}={getattr(self, k)!r}" for k in self.valid_keys())
+        return json.dumps(self.as_dict(), sort_keys=True, default=repr)

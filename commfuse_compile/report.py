@@ -41,6 +41,10 @@ class SiteRecord:
     notes: tuple[str, ...] = ()
     rank: int | None = None
     steps: tuple[StepRecord, ...] = ()
+    schedule: str | None = None  # "ring" | "bidirectional" | "slicing" when rewritten
+    chunks_per_rank: int | None = None  # m (slices for "slicing") when rewritten
+    profile: str | None = None  # the cost model's hardware profile
+    estimates: dict[str, float] = dataclasses.field(default_factory=dict)  # modelled seconds per candidate
 
     @property
     def rewritten(self) -> bool:

@@ -110,13 +110,12 @@ def _dim_arg(node: fx.Node, position: int) -> int:
 
 
 def _matmul_consumers(gathered: fx.Node) -> Iterator[Consumer]:
-    """Matmuls reading the gathered tensor through an optional reshape and an optional
+    """Matmuls reading the gathered tensor through a chain of reshapes and a chain of
     ``permute(·, [1, 0])``, with the role the gathered dim plays in each."""
-    for view in [gathered, *(u for u in gathered.users if u.target in RESHAPES)]:
-        for user in view.users:
-            transposed = user.target is aten.permute.default and list(user.args[1]) == [1, 0]
-            operand = user if transposed else view
-            for mm in operand.users if transposed else [user]:
+    for view, views in _reshape_chains(gathered, ()):
+        for operand, permutes in _transpose_chains(view, ()):
+            transposed = len(permutes) % 2 == 1
+            for mm in operand.users:
                 if mm.target not in MATMULS:
                     continue
                 left, right = left_operand(mm) is operand, right_operand(mm) is operand
@@ -126,12 +125,24 @@ def _matmul_consumers(gathered: fx.Node) -> Iterator[Consumer]:
                     role = "contraction" if transposed else "rows"
                 else:
                     role = "columns" if transposed else "contraction"
-                yield Consumer(
-                    mm=mm,
-                    view=None if view is gathered else view,
-                    role=role,
-                    permute=user if transposed else None,
-                )
+                yield Consumer(mm=mm, views=views, role=role, permutes=permutes)
+
+
+def _reshape_chains(node: fx.Node, views: tuple[fx.Node, ...]) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
+    """``node`` and every reshape reached from it (with batch 1, DTensor's sequence gather is
+    ``all_gather → view [1, S, H] → view [S, H]``), with the reshapes on the way."""
+    yield node, views
+    for user in node.users:
+        if user.target in RESHAPES:
+            yield from _reshape_chains(user, (*views, user))
+
+
+def _transpose_chains(node: fx.Node, permutes: tuple[fx.Node, ...]) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
+    """``node`` and every 2-D transpose reached from it, with the transposes on the way."""
+    yield node, permutes
+    for user in node.users:
+        if user.target is aten.permute.default and list(user.args[1]) == [1, 0]:
+            yield from _transpose_chains(user, (*permutes, user))
 
 
 def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
@@ -147,6 +158,8 @@ def _match_all_gather(ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
         site.shapes["gathered"] = list(fake(site.tensor).shape)
     consumers = list(_matmul_consumers(site.tensor))
     if not consumers:
+        if any(u.target is ADDMM and u.args[0] is site.tensor for u in site.tensor.users):
+            return site.skip("the gathered tensor is only added as an addmm bias: no matmul to overlap with")
         return site.skip(f"no matmul reads the gathered tensor (users: {describe_users(site.tensor)})")
     downstream = nx.descendants(flow, site.wait)
     for consumer in consumers:
@@ -205,7 +218,7 @@ def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Site:
     path: list[fx.Node] = []
     terms = _matmul_terms(site.tensor, path)
     if terms is None:
-        producer = target_name(site.tensor)
+        producer = target_name(next(n for n in path if n.target not in RESHAPES))
         return site.skip(
             f"reduce-scatter input is produced by {producer}, not a matmul or a sum of matmuls: not yet supported"
         )

@@ -1,18 +1,25 @@
-"""Stage 2 — plan: decide for each matched Site whether to rewrite it.
+"""Stage 2 — plan: decide for each matched Site whether and how to rewrite it.
 
-The decision reads only shapes, the group size and the options — never the rank or timing —
-so every rank of a group makes the same decision and issues the same ring (a rank-dependent
-plan would deadlock the ring).
+The decision reads only shapes, dtypes, the group size and the options — never the rank or
+timing — so every rank of a group makes the same decision and issues the same ring (a
+rank-dependent plan would deadlock it). With ``schedule="auto"`` the cost model times vanilla,
+slicing, ring and bidirectional (a few m each) on the profile and keeps the fastest, or leaves
+the match alone when nothing beats vanilla; its estimates go into the record either way.
 """
 
 from __future__ import annotations
 
 from math import prod
 
+from commfuse_compile.cost_model import Matmul, Workload, candidates, choose, estimate
 from commfuse_compile.options import CommfuseOptions
+from commfuse_compile.profiles import resolve_profile
 
-from .graph_utils import ADDMM, MM, left_operand, static_shape
+from .graph_utils import ADDMM, fake, left_operand, right_operand, static_shape
 from .site import SYMBOLIC_SIZES, Site
+
+KIND = {"all_gather→mm": "all_gather_matmul", "mm→reduce_scatter": "matmul_reduce_scatter"}
+NAMES = {"ring": "ring", "bidirectional": "bidirectional ring", "slicing": "slicing"}
 
 
 def plan_site(site: Site, options: CommfuseOptions) -> Site:
@@ -26,75 +33,124 @@ def plan_site(site: Site, options: CommfuseOptions) -> Site:
     tensor = static_shape(site.tensor)
     if tensor is None:
         return site.skip(SYMBOLIC_SIZES)
-    if site.pattern == "all_gather→mm":
-        return _plan_all_gather(site, tensor)
-    return _plan_reduce_scatter(site, tensor)
+    problem = _keep_computable_consumers(site, tensor)
+    if problem:
+        return site.skip(problem)
+    return _choose_schedule(site, tensor, options)
 
 
-def _plan_all_gather(site: Site, gathered: list[int]) -> Site:
+def _keep_computable_consumers(site: Site, tensor: list[int]) -> str | None:
+    """Drop consumers that cannot be cut into the N chunks at all; why nothing is left, if so."""
+    if site.pattern == "mm→reduce_scatter":
+        for term in site.consumers:
+            problem = (_matmul_problem(term.mm) if term.role != "product" else None) or _cut_problem(site, tensor, term, site.group_size)
+            if problem:
+                return f"{term.mm.name}: {problem}"
+        return None
     kept = []
     for consumer in site.consumers:
-        why_not = _matmul_problem(consumer.mm) or _chunk_problem(
-            gathered, site.dim, site.group_size, static_shape(consumer.view or site.tensor)
-        )
-        if consumer.role != "rows" and not why_not and consumer.mm.target is not MM:
-            why_not = f"{consumer.role} of an addmm: not yet supported"
+        why_not = _matmul_problem(consumer.mm) or _cut_problem(site, tensor, consumer, site.group_size)
         if why_not:
             site.notes.append(f"{consumer.mm.name}: {why_not}; left as is")
         else:
             kept.append(consumer)
     site.consumers = kept
-    if not kept:
-        return site.skip("no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes))
-    site.decision, site.reason = "rewrite", f"Flash-AG ring over {site.group_size} ranks{_on_dim(site)}"
+    return None if kept else "no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes)
+
+
+def _cut_problem(site: Site, tensor: list[int], consumer, count: int) -> str | None:
+    view = consumer.mm if site.pattern == "mm→reduce_scatter" else consumer.view or site.tensor
+    return _chunk_problem(tensor, site.dim, count, static_shape(view))
+
+
+def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions) -> Site:
+    work = _workload(site)
+    profile = resolve_profile(options.profile, fake(site.collective).device.type)
+    vanilla = estimate(work, profile, "vanilla")
+    feasible, infeasible = [], []
+    for schedule, m in candidates("auto" if options.schedule == "off" else options.schedule, options.chunks_per_rank):
+        count = site.group_size * m * (2 if schedule == "bidirectional" else 1)
+        problems = [p for c in site.consumers if (p := _cut_problem(site, tensor, c, count))]
+        (infeasible if problems else feasible).append((schedule, m, problems[0] if problems else ""))
+    estimates = [estimate(work, profile, schedule, m) for schedule, m, _ in feasible]
+    site.estimates = {e.label: e.seconds for e in [vanilla, *estimates]}
+    site.profile = profile.name
+    if options.schedule == "off":
+        return site.skip("schedule='off': matched and estimated, left to Inductor")
+    if not feasible:
+        schedule, m, problem = infeasible[0]
+        return site.skip(f"{NAMES[schedule]} with chunks_per_rank={m}: {problem}; choose a chunks_per_rank that divides it")
+    if options.schedule == "auto":
+        best = choose(estimates, vanilla, options.min_speedup_for(KIND[site.pattern]))
+        if best is None:
+            fastest = min(estimates, key=lambda e: e.seconds)
+            return site.skip(
+                f"auto ({profile.name}): nothing beats vanilla by min_speedup={options.min_speedup_for(KIND[site.pattern])} "
+                f"(vanilla {_ms(vanilla.seconds)}, best {fastest.label} {_ms(fastest.seconds)})"
+            )
+    else:
+        (best,) = estimates
+    site.schedule, site.chunks_per_rank = best.schedule, best.chunks_per_rank
+    flash = "Flash-AG" if site.pattern == "all_gather→mm" else "Flash-RS"
+    what = f"{flash} {NAMES[best.schedule]}" if best.schedule != "slicing" else f"{flash} slicing baseline, {best.chunks_per_rank} slices"
+    pieces = f", {best.chunks_per_rank} pieces per chunk" if best.schedule != "slicing" and best.chunks_per_rank > 1 else ""
+    terms = f", {len(site.consumers)} matmuls summed per step" if site.pattern == "mm→reduce_scatter" and len(site.consumers) > 1 else ""
+    chosen = f"; auto ({profile.name}): {_ms(best.seconds)} vs vanilla {_ms(vanilla.seconds)}" if options.schedule == "auto" else ""
+    site.decision = "rewrite"
+    site.reason = f"{what} over {site.group_size} ranks{_on_dim(site)}{pieces}{terms}{chosen}"
     return site
 
 
-def _plan_reduce_scatter(site: Site, scattered: list[int]) -> Site:
-    for term in site.consumers:
-        problem = (_matmul_problem(term.mm) if term.role != "product" else None) or _chunk_problem(
-            scattered, site.dim, site.group_size, static_shape(term.mm)
-        )
-        if problem:
-            return site.skip(f"{term.mm.name}: {problem}")
-    terms = f", {len(site.consumers)} matmuls summed per step" if len(site.consumers) > 1 else ""
-    site.decision, site.reason = "rewrite", f"Flash-RS ring over {site.group_size} ranks{_on_dim(site)}{terms}"
-    return site
+def _workload(site: Site) -> Workload:
+    """The site's matmuls and per-rank chunk bytes, for the cost model (shapes only)."""
+    split = {"rows": "m", "columns": "n", "contraction": "k", "product": "m"}
+    matmuls = []
+    for c in site.consumers:
+        (m, k), (_, n) = static_shape(left_operand(c.mm)), static_shape(right_operand(c.mm))
+        matmuls.append(Matmul(m, k, n, split[c.role]))
+    moved = site.collective.args[0] if site.pattern == "all_gather→mm" else site.wait
+    value = fake(moved)
+    return Workload(KIND[site.pattern], site.group_size, tuple(matmuls), value.numel() * value.element_size(), fake(site.consumers[0].mm).dtype)
 
 
 def _matmul_problem(matmul) -> str | None:
     if matmul.target is ADDMM:
         if matmul.kwargs:
             return "addmm with beta/alpha"
-        if static_shape(matmul.args[0]) is None or len(static_shape(matmul.args[0])) != 1:
-            return "addmm bias is not a 1-D vector"
+        bias, out = static_shape(matmul.args[0]), static_shape(matmul)
+        if bias is None or (bias != out and len(bias) != 1):
+            return f"addmm bias of shape {bias} is neither 1-D nor the output's shape {out}"
     if static_shape(matmul) is None or static_shape(left_operand(matmul)) is None:
         return "symbolic matmul shape"
     return None
 
 
-def _chunk_problem(tensor: list[int], dim: int, group_size: int, rows_by_width: list[int] | None) -> str | None:
-    """Why the 2-D matmul operand/result ``rows_by_width`` cannot be cut into the ``group_size``
-    chunks of ``tensor`` along ``dim`` (None if it can).
+def _chunk_problem(tensor: list[int], dim: int, count: int, rows_by_width: list[int] | None) -> str | None:
+    """Why the 2-D matmul operand/result ``rows_by_width`` cannot be cut into the ``count``
+    pieces of ``tensor`` along ``dim`` (None if it can).
 
-    dim 0: rank q's chunk is elements [q·E, (q+1)·E) of the row-major tensor (E = numel / N), a
+    dim 0: piece q is elements [q·E, (q+1)·E) of the row-major tensor (E = numel / count), a
     block of whole rows of the 2-D view exactly when E is a multiple of the row width.
-    dim d > 0: chunks are not contiguous, so each is reshaped on its own; that is exact when the
+    dim d > 0: pieces are not contiguous, so each is reshaped on its own; that is exact when the
     2-D view flattens every dim but the last, and d is not that last dim.
     """
     if rows_by_width is None:
         return "symbolic matmul shape"
     rows, width = rows_by_width
-    if tensor[dim] % group_size:
-        return f"dim {dim} of {tensor} does not split into {group_size} chunks"
+    if tensor[dim] % count:
+        return f"dim {dim} of {tensor} does not split into {count} pieces"
     if dim == 0:
-        per_rank = prod(tensor) // group_size
-        return None if per_rank % width == 0 else f"a rank's chunk is not whole rows of [{rows}, {width}]"
+        per_piece = prod(tensor) // count
+        return None if per_piece % width == 0 else f"a piece of {count} is not whole rows of [{rows}, {width}]"
     if dim == len(tensor) - 1:
         return f"dim {dim} is the last dim (the contraction dim of Flash-AG's matmul, the columns of Flash-RS's): not yet supported"
     if [rows, width] != [prod(tensor[:-1]), tensor[-1]]:
         return f"[{rows}, {width}] is not {tensor} with its leading dims flattened"
     return None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def _on_dim(site: Site) -> str:

@@ -20,6 +20,10 @@ def record_sites(sites: list[Site], report: CompileReport) -> None:
             reason=site.reason,
             notes=tuple(site.notes),
             rank=site.rank,
+            schedule=site.schedule if site.decision == "rewrite" else None,
+            chunks_per_rank=site.chunks_per_rank if site.decision == "rewrite" else None,
+            profile=site.profile,
+            estimates=dict(site.estimates),
             steps=tuple(
                 StepRecord(
                     chunk=step.chunk,

@@ -20,7 +20,7 @@ SYMBOLIC_SIZES = "symbolic sizes: chunks cannot be cut statically"
 
 @dataclasses.dataclass
 class Consumer:
-    """One matmul (``aten.mm`` or ``aten.addmm`` with a 1-D bias) around the collective.
+    """One matmul (``aten.mm`` or ``aten.addmm``) around the collective.
 
     Flash-AG: a matmul whose left operand is the gathered tensor; ``view`` is the reshape
     between them (``None`` when the matmul reads it directly). Flash-RS: one term of the sum
@@ -29,17 +29,32 @@ class Consumer:
     """
 
     mm: fx.Node
-    view: fx.Node | None = None
+    views: tuple[fx.Node, ...] = ()  # Flash-AG: reshapes from the gathered tensor to the matmul
     # Flash-AG only: what the gathered dim is to the matmul. "rows": rows of the left operand
     # (chunks of output rows); "columns": columns of the right operand through a transpose
     # (FSDP-style weight gather: chunks of output columns); "contraction": the contracted dim
     # (each chunk gives a partial product, summed).
     role: str = "rows"
-    permute: fx.Node | None = None  # the [1, 0] transpose between view and matmul, if any
+    # Flash-AG only: the ``permute(·, [1, 0])`` chain between view and matmul (FSDP's
+    # reshard-after-forward backward reads ``W.t().t()``); an odd count is a transpose.
+    permutes: tuple[fx.Node, ...] = ()
+
+    @property
+    def view(self) -> fx.Node | None:
+        """The last reshape before the matmul (or its transposes), if any."""
+        return self.views[-1] if self.views else None
+
+    @property
+    def transposed(self) -> bool:
+        return len(self.permutes) % 2 == 1
+
+    def reads(self, gathered: fx.Node) -> fx.Node:
+        """Flash-AG: the node the matmul reads in place of the gathered tensor."""
+        return self.permutes[-1] if self.permutes else self.view or gathered
 
     def other_operand(self, gathered: fx.Node) -> fx.Node:
         """Flash-AG: the matmul operand that is not (derived from) the gathered tensor."""
-        reads = self.permute or self.view or gathered
+        reads = self.reads(gathered)
         return right_operand(self.mm) if left_operand(self.mm) is reads else left_operand(self.mm)
 
 
@@ -72,6 +87,12 @@ class Site:
     decision: Decision = "pending"
     reason: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    # Set by plan: the schedule, m (pieces per chunk; slices for "slicing"), the cost model's
+    # profile and its estimate per candidate (label -> seconds).
+    schedule: str = "ring"
+    chunks_per_rank: int = 1
+    profile: str | None = None
+    estimates: dict[str, float] = dataclasses.field(default_factory=dict)
     rank: int | None = None  # this rank's index in the group, set by rewrite
     steps: list[RingStep] = dataclasses.field(default_factory=list)
 

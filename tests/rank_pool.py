@@ -31,7 +31,7 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, tasks: mp.Que
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, f"rank{rank}"),
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,  # shared: kernels compile once for all ranks
         TORCHINDUCTOR_COMPILE_THREADS="1",
         OMP_NUM_THREADS="1",
     )
@@ -62,7 +62,8 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, tasks: mp.Que
 
 
 class RankPool:
-    """``world_size`` gloo ranks on this machine, each with its own Inductor cache dir."""
+    """``world_size`` gloo ranks on this machine sharing one Inductor cache dir (the FX graph
+    key covers the rank through the pass's uuid; identical kernels compile once)."""
 
     def __init__(self, world_size: int, cache_dir: str, timeout: float = 300.0):
         ctx = mp.get_context("spawn")

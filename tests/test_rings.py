@@ -2,7 +2,9 @@
 
 Every rewrite is checked against the same program run eagerly, forward and backward, in fp32
 and bf16 (tolerances in ``programs.TOLERANCES``), and the generated code is read to check that
-every ring step runs start → matmul → wait.
+every ring step runs start → matmul → wait. Then every schedule (ring / bidirectional /
+slicing) with m = 1, 2, 3: the record must say every site was rewritten with exactly the
+schedule and m asked for, and outputs and grads must equal eager.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def test_ring_exchange_does_not_leak_work(ranks):
         assert result["after"] == result["before"] == 0
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("program", list(EXPECTED_SITES))
+# bf16 where the layout differs (leading_dims and reused add no bf16 path canonical lacks).
+CASES = [(p, "fp32") for p in EXPECTED_SITES] + [(p, "bf16") for p in ("canonical", "sequence_parallel", "weight_gather")]
+
+
+@pytest.mark.parametrize("program,dtype", CASES)
 def test_matches_eager(ranks, program, dtype):
     results = ranks.run(check_against_eager, program, dtype)
     for rank, result in enumerate(results):
@@ -93,3 +98,32 @@ def test_without_pinning_inductor_moves_waits_up(ranks):
     transfers before the matmul they were meant to overlap (this guards the test above too)."""
     codes = ranks.run(generated_code, "leading_dims", {"pin_order": False})[0]
     assert any(mms == 0 for code in codes for _, mms, _ in ring_events(code))
+
+
+# A covering set, not the full product (the suite has a 10-minute budget): every schedule with
+# m = 1, 2 or 3 on the canonical program, bf16 for both new schedules, and the dim-1 /
+# several-consumer / sum-of-matmuls forms and the column / contraction consumers under each.
+SCHEDULE_CASES = [
+    # (program, dtype, schedule, m)
+    ("canonical", "fp32", "ring", 3),  # ring m = 1: test_matches_eager above and the 2-D Llama test
+    ("canonical", "fp32", "bidirectional", 1),
+    ("canonical", "fp32", "bidirectional", 2),
+    ("canonical", "fp32", "slicing", 3),
+    ("canonical", "bf16", "bidirectional", 3),
+    ("canonical", "bf16", "slicing", 2),
+    ("sequence_parallel", "fp32", "bidirectional", 3),
+    ("sequence_parallel", "fp32", "slicing", 2),
+    ("weight_gather", "fp32", "bidirectional", 2),
+    ("weight_gather", "fp32", "slicing", 2),
+]
+
+
+@pytest.mark.parametrize("program,dtype,schedule,m", SCHEDULE_CASES, ids=lambda v: str(v))
+def test_schedule_matches_eager(ranks, program, dtype, schedule, m):
+    options = {"schedule": schedule, "chunks_per_rank": m}
+    for rank, result in enumerate(ranks.run(check_against_eager, program, dtype, options)):
+        sites = result["sites"]
+        assert sites and all(action == "rewritten" for _, _, action, _ in sites), sites
+        assert {(s["schedule"], s["chunks_per_rank"]) for s in result["records"]} == {(schedule, m)}
+        for row in result["diffs"] + result["repeat_diffs"]:
+            assert row["close"], f"rank {rank} {row} exceeds {TOLERANCES[DTYPES[dtype]]}"

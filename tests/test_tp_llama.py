@@ -1,5 +1,8 @@
 """A Llama-style block under a torchtitan-style TP + SP plan, trained for several SGD steps
-compiled with commfuse and eagerly (DTensor), at world sizes 2 and 4 and on a 2-D mesh."""
+compiled with commfuse and eagerly (DTensor), at world sizes 2 and 4 and on a 2-D mesh.
+
+Each compile costs 30-70 s here, so each setup checks one schedule (all three are covered):
+tp = 2 slicing (2 slices), tp = 4 the bidirectional ring, dp 2 × tp 2 the one-way ring."""
 
 from __future__ import annotations
 
@@ -32,19 +35,24 @@ def check(result: dict, tp_size: int, tol: float = TOL) -> None:
     assert not bad, bad
 
 
+SCHEDULE_AT = {2: {"schedule": "slicing", "chunks_per_rank": 2}, 4: {"schedule": "bidirectional"}}
+
+
 def test_llama_block_trains_like_eager(ranks):
-    results = ranks.run(train_llama_block, STEPS, (ranks.world_size,))
+    options = SCHEDULE_AT[ranks.world_size]
+    results = ranks.run(train_llama_block, STEPS, (ranks.world_size,), options)
     for result in results:
         check(result, ranks.world_size)
+        assert all(options["schedule"] in reason for *_, reason in result["sites"]), result["sites"]
     worst = max(max(r["diffs"].values()) for r in results)
-    print(f"\nllama block ws={ranks.world_size}: {STEPS} SGD steps, max relative diff = {worst:.3g}")
+    print(f"\nllama block ws={ranks.world_size} {options}: {STEPS} SGD steps, max relative diff = {worst:.3g}")
 
 
 def test_llama_block_on_a_2d_mesh(ranks):
     """dp × tp = 2 × 2: rings only ever span the tp group; the dp all-reduce stays as it is."""
     if ranks.world_size != 4:
         pytest.skip("a 2 × 2 mesh needs world size 4")
-    results = ranks.run(train_llama_block, STEPS, (2, 2))
+    results = ranks.run(train_llama_block, STEPS, (2, 2), {"schedule": "ring"})
     tp_groups = set()
     for result in results:
         # With the dp all-reduce in the graph, the q/k weight grads of this setup are sensitive

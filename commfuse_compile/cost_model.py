@@ -1,0 +1,162 @@
+"""Cost model: the modelled time of each schedule for one match, and ``auto``'s choice.
+
+A match is described by a :class:`Workload` — its matmuls, which of their dims the chunks cut,
+and the bytes of one rank's chunk — built from shapes, dtype and group size only, so every rank
+of a group computes the same estimates and makes the same choice. Each schedule is laid out on
+a :class:`~commfuse_compile.simulator.Timeline` the way the rewrite emits it (same steps, same
+dependencies, including the pinned order) and timed on a
+:class:`~commfuse_compile.profiles.HardwareProfile`::
+
+    vanilla        collective, then the whole matmul (all-gather) / matmul, then collective
+    slicing (K)    K sliced collectives, slice s's collective overlapping slice s±1's matmul
+    ring (m)       N·m point-to-point steps, each overlapping one chunk matmul
+    bidirectional  the ring with half of every chunk travelling each way (two links busy)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .profiles import HardwareProfile
+from .simulator import Timeline
+
+COMPUTE, COLLECTIVE = "compute", "collective"
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One full ``[m, k] @ [k, n]`` matmul of a match; ``split`` is the dim ("m", "k" or "n")
+    that the gathered / scattered dim cuts."""
+
+    m: int
+    k: int
+    n: int
+    split: str = "m"
+
+    def piece(self, count: int) -> tuple[int, int, int]:
+        dims = {"m": self.m, "k": self.k, "n": self.n}
+        dims[self.split] = max(dims[self.split] // count, 1)
+        return dims["m"], dims["k"], dims["n"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    kind: str  # "all_gather_matmul" | "matmul_reduce_scatter"
+    group_size: int
+    matmuls: tuple[Matmul, ...]
+    chunk_bytes: int  # one rank's chunk: the shard (all-gather) or one output chunk (reduce-scatter)
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    schedule: str  # "vanilla" | "slicing" | "ring" | "bidirectional"
+    chunks_per_rank: int  # m, or K for slicing, 1 for vanilla
+    seconds: float
+    exposed_comm: float  # makespan minus time the compute lane is busy
+    timeline: Timeline = dataclasses.field(compare=False, repr=False, default_factory=Timeline)
+
+    @property
+    def label(self) -> str:
+        return self.schedule if self.schedule == "vanilla" else f"{self.schedule}(m={self.chunks_per_rank})"
+
+
+def _compute(work: Workload, profile: HardwareProfile, count: int, slowdown: float) -> float:
+    """Time of the matmuls on one of ``count`` equal pieces of the chunked dim."""
+    return slowdown * sum(profile.matmul_seconds(*mm.piece(count), work.dtype) for mm in work.matmuls)
+
+
+def estimate(work: Workload, profile: HardwareProfile, schedule: str, m: int = 1) -> Estimate:
+    """Model ``schedule`` (with m chunks per rank / K slices) for ``work`` on ``profile``."""
+    timeline = Timeline()
+    build = {"vanilla": _vanilla, "slicing": _slicing, "ring": _ring, "bidirectional": _bidirectional}[schedule]
+    build(timeline, work, profile, m)
+    total = timeline.run()
+    return Estimate(schedule, m, total, total - timeline.busy(COMPUTE), timeline)
+
+
+def _collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float, slowdown: float = 1.0) -> float:
+    """A ring all-gather / reduce-scatter: N-1 steps of one chunk each."""
+    return slowdown * (work.group_size - 1) * profile.transfer_seconds(nbytes)
+
+
+def _vanilla(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
+    comm = _collective_seconds(work, profile, work.chunk_bytes)
+    compute = _compute(work, profile, 1, 1.0)
+    if work.kind == "all_gather_matmul":
+        t.add("matmul", COMPUTE, compute, (t.add("all_gather", COLLECTIVE, comm),))
+    else:
+        t.add("reduce_scatter", COLLECTIVE, comm, (t.add("matmul", COMPUTE, compute),))
+
+
+def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> None:
+    slow = profile.overlap_slowdown
+    comm = _collective_seconds(work, profile, work.chunk_bytes / k, slow)
+    compute = _compute(work, profile, k, slow)
+    if work.kind == "all_gather_matmul":
+        gathers = [t.add(f"all_gather[{s}]", COLLECTIVE, comm) for s in range(k)]  # all issued up front
+        for s in range(k):
+            t.add(f"matmul[{s}]", COMPUTE, compute, (gathers[s],))
+    else:
+        for s in range(k):
+            t.add(f"reduce_scatter[{s}]", COLLECTIVE, comm, (t.add(f"matmul[{s}]", COMPUTE, compute),))
+
+
+def _ring(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
+    _ring_steps(t, work, profile, [(s, +1) for s in range(m)])
+
+
+def _bidirectional(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
+    _ring_steps(t, work, profile, [(s, +1) for s in range(m)] + [(m + s, -1) for s in range(m)])
+
+
+def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, streams: list[tuple[int, int]]) -> None:
+    """Flash-AG / Flash-RS as the rewrite emits them: ``streams`` are (piece, direction) pairs;
+    each piece of a rank's chunk travels its own way round the ring, one hop per step."""
+    n, pieces, slow = work.group_size, len(streams), profile.overlap_slowdown
+    compute = _compute(work, profile, n * pieces, slow)
+    transfer = slow * profile.transfer_seconds(work.chunk_bytes / pieces)
+
+    def link(direction: int) -> str:  # with 2 ranks both directions reach the same peer
+        return "link+" if direction > 0 or n == 2 or not profile.duplex else "link-"
+
+    arrived = {piece: None for piece, _ in streams}  # transfer event that brought the piece
+    computed = {piece: None for piece, _ in streams}
+    for step in range(n):
+        for piece, direction in streams:
+            name = f"[{step}.{piece}]"
+            if work.kind == "all_gather_matmul":
+                # start reads the piece received last step, whose wait is pinned after that step's matmul
+                send = (t.add("send" + name, link(direction), transfer, (arrived[piece], computed[piece]))
+                        if step < n - 1 else None)
+                computed[piece] = t.add("matmul" + name, COMPUTE, compute, (arrived[piece],))
+                arrived[piece] = send
+            else:
+                # partial sum = matmul + received accumulator, then sent on
+                computed[piece] = t.add("matmul" + name, COMPUTE, compute)
+                if step < n - 1:
+                    arrived[piece] = t.add("send" + name, link(direction), transfer, (computed[piece], arrived[piece]))
+
+
+DEFAULT_CHUNKS = {"ring": 1, "bidirectional": 1, "slicing": 4}
+AUTO_CHUNKS = {"ring": (1, 2, 4), "bidirectional": (1, 2), "slicing": (2, 4, 8)}
+
+
+def candidates(schedule: str, chunks_per_rank: int | None) -> list[tuple[str, int]]:
+    """The (schedule, m) pairs to consider: one for a fixed schedule (``chunks_per_rank`` or its
+    default), a few of each for ``auto`` (only ``chunks_per_rank`` if given)."""
+    if schedule != "auto":
+        return [(schedule, chunks_per_rank or DEFAULT_CHUNKS[schedule])]
+    return [(name, m) for name, ms in AUTO_CHUNKS.items() for m in ([chunks_per_rank] if chunks_per_rank else ms)]
+
+
+def choose(estimates: list[Estimate], vanilla: Estimate, min_speedup: float) -> Estimate | None:
+    """The fastest estimate if the model says it beats ``vanilla`` (and by ``min_speedup``);
+    None means: leave the match alone."""
+    if not estimates:
+        return None
+    best = min(estimates, key=lambda e: (e.seconds, e.label))
+    faster = best.seconds < vanilla.seconds and vanilla.seconds >= min_speedup * best.seconds
+    return best if faster else None
