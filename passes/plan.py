@@ -72,6 +72,9 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions) ->
         count = site.group_size * m * (2 if schedule == "bidirectional" else 1)
         problems = [p for c in site.consumers if (p := _cut_problem(site, tensor, c, count))]
         (infeasible if problems else feasible).append((schedule, m, problems[0] if problems else ""))
+    if infeasible and feasible:  # say what could not be considered, and why (the first reason)
+        labels = ", ".join(f"{schedule}(m={m})" for schedule, m, _ in infeasible)
+        site.notes.append(f"not considered: {labels} ({infeasible[0][2]})")
     estimates = [estimate(work, profile, schedule, m) for schedule, m, _ in feasible]
     site.estimates = {e.label: e.seconds for e in [vanilla, *estimates]}
     site.profile = profile.name

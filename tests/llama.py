@@ -12,9 +12,9 @@ from torch import nn
 
 import commfuse_compile
 
-# Batch 1: DTensor then gathers the sequence with a plain view ([N, S/N, H] -> [1, S, H]) instead
-# of split + cat (which test_structure and the sequence_parallel program cover).
-DIM, HEADS, FFN, BATCH, SEQ = 32, 4, 64, 1, 8
+# With batch 1 DTensor gathers the sequence with a plain view ([N, S/N, H] -> [1, S, H]) instead
+# of split + cat: the 2-D mesh test trains at batch 1, the others at BATCH.
+DIM, HEADS, FFN, BATCH, SEQ = 32, 4, 64, 2, 8
 
 
 class Attention(nn.Module):
@@ -75,7 +75,7 @@ def tp_plan() -> dict:
     }
 
 
-def train_llama_block(steps: int, mesh_shape: tuple[int, ...], options: dict | None = None) -> dict:
+def train_llama_block(steps: int, mesh_shape: tuple[int, ...], options: dict | None = None, batch: int = BATCH) -> dict:
     """Train one block for ``steps`` SGD steps compiled with commfuse and eagerly, side by side.
 
     ``mesh_shape`` (tp,) or (dp, tp): the block is parallelised over the tp sub-mesh; with a dp
@@ -118,8 +118,8 @@ def train_llama_block(steps: int, mesh_shape: tuple[int, ...], options: dict | N
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled_block)]
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + dp_rank)
-        x = torch.randn(BATCH, SEQ, DIM, generator=gen).chunk(tp_size, dim=1)[tp_rank].contiguous()
-        g = torch.randn(BATCH, SEQ, DIM, generator=gen).chunk(tp_size, dim=1)[tp_rank].contiguous()
+        x = torch.randn(batch, SEQ, DIM, generator=gen).chunk(tp_size, dim=1)[tp_rank].contiguous()
+        g = torch.randn(batch, SEQ, DIM, generator=gen).chunk(tp_size, dim=1)[tp_rank].contiguous()
         outs = []
         for model, opt in zip((step_fn(eager), step_fn(compiled)), opts):
             opt.zero_grad()

@@ -52,7 +52,7 @@ def test_llama_block_on_a_2d_mesh(ranks):
     """dp × tp = 2 × 2: rings only ever span the tp group; the dp all-reduce stays as it is."""
     if ranks.world_size != 4:
         pytest.skip("a 2 × 2 mesh needs world size 4")
-    results = ranks.run(train_llama_block, STEPS, (2, 2), {"schedule": "ring"})
+    results = ranks.run(train_llama_block, STEPS, (2, 2), {"schedule": "ring"}, 1)  # batch 1: the view form
     tp_groups = set()
     for result in results:
         # With the dp all-reduce in the graph, the q/k weight grads of this setup are sensitive
