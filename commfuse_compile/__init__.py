@@ -9,9 +9,18 @@ and :func:`last_report` for what the pass did.
 from . import p2p  # noqa: F401  (registers torch.ops.commfuse.ring_exchange)
 from .options import CommfuseOptions
 from .report import CompileReport, SiteRecord, StepRecord, clear_reports, last_report, reports
-from .fsdp import simple_fsdp
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # simple_fsdp pulls in DTensor and checkpointing; the backend does not need them, so they
+    # load on first use only.
+    if name == "simple_fsdp":
+        from .fsdp import simple_fsdp
+
+        return simple_fsdp
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "CommfuseOptions",

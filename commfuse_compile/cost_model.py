@@ -104,17 +104,32 @@ def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> N
             t.add(f"reduce_scatter[{s}]", COLLECTIVE, comm, (t.add(f"matmul[{s}]", COMPUTE, compute),))
 
 
+def ring_substeps(schedule: str, m: int) -> list[list[tuple[int, int]]]:
+    """The sub-steps of one ring step, as the rewrite emits them: the (piece, direction) pairs
+    that move together. One-way: m pieces, one per sub-step. Bidirectional: 2m pieces; sub-step
+    s moves piece s to r+1 and piece m+s to r-1."""
+    if schedule == "bidirectional":
+        return [[(s, +1), (m + s, -1)] for s in range(m)]
+    return [[(s, +1)] for s in range(m)]
+
+
+def pieces_per_chunk(schedule: str, m: int) -> int:
+    """How many pieces each rank's chunk is cut into (slicing: m slices)."""
+    return 2 * m if schedule == "bidirectional" else m
+
+
 def _ring(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    _ring_steps(t, work, profile, [(s, +1) for s in range(m)])
+    _ring_steps(t, work, profile, ring_substeps("ring", m))
 
 
 def _bidirectional(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    _ring_steps(t, work, profile, [(s, +1) for s in range(m)] + [(m + s, -1) for s in range(m)])
+    _ring_steps(t, work, profile, ring_substeps("bidirectional", m))
 
 
-def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, streams: list[tuple[int, int]]) -> None:
-    """Flash-AG / Flash-RS as the rewrite emits them: ``streams`` are (piece, direction) pairs;
-    each piece of a rank's chunk travels its own way round the ring, one hop per step."""
+def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, substeps: list[list[tuple[int, int]]]) -> None:
+    """Flash-AG / Flash-RS as the rewrite emits them: each (piece, direction) of a rank's chunk
+    travels its own way round the ring, one hop per step."""
+    streams = [stream for sub in substeps for stream in sub]
     n, pieces, slow = work.group_size, len(streams), profile.overlap_slowdown
     compute = _compute(work, profile, n * pieces, slow)
     transfer = slow * profile.transfer_seconds(work.chunk_bytes / pieces)

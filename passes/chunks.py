@@ -22,6 +22,17 @@ def cut(emit: Emitter, tensor: fx.Node, dim: int, parts: int) -> list[fx.Node]:
     return [emit(aten.slice.Tensor, tensor, dim, i * size, (i + 1) * size) for i in range(parts)]
 
 
+def join(emit: Emitter, parts: list[fx.Node], dim: int) -> fx.Node:
+    """``parts`` concatenated along ``dim`` (one part: itself)."""
+    return parts[0] if len(parts) == 1 else emit(aten.cat.default, parts, dim)
+
+
+def emitter_before_consumers(graph: fx.Graph, site: Site) -> Emitter:
+    """An emitter placing nodes before the first consumer matmul of a Flash-AG site."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return Emitter(graph, before=min((c.mm for c in site.consumers), key=order.__getitem__))
+
+
 def rows_of_pieces(emit: Emitter, matrix: fx.Node, site: Site, pieces: list[int], count: int) -> fx.Node:
     """The rows of a 2-D ``matrix`` — whose rows are the flattened leading dims of the site's
     tensor — that belong to ``pieces`` (of ``count``), in that order: row blocks on dim 0; on
@@ -31,12 +42,10 @@ def rows_of_pieces(emit: Emitter, matrix: fx.Node, site: Site, pieces: list[int]
     width = fake(matrix).shape[1]
     if d == 0:
         size = fake(matrix).shape[0] // count
-        parts = [emit(aten.slice.Tensor, matrix, 0, q * size, (q + 1) * size) for q in pieces]
-        return parts[0] if len(parts) == 1 else emit(aten.cat.default, parts, 0)
+        return join(emit, [emit(aten.slice.Tensor, matrix, 0, q * size, (q + 1) * size) for q in pieces], 0)
     size = leading[d] // count
     unflat = emit(aten.reshape.default, matrix, [*leading, width])
-    parts = [emit(aten.slice.Tensor, unflat, d, q * size, (q + 1) * size) for q in pieces]
-    joined = parts[0] if len(parts) == 1 else emit(aten.cat.default, parts, d)
+    joined = join(emit, [emit(aten.slice.Tensor, unflat, d, q * size, (q + 1) * size) for q in pieces], d)
     return emit(aten.reshape.default, joined, [-1, width])
 
 
@@ -102,9 +111,7 @@ def assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int) -
         if consumer.mm.target is ADDMM:  # the bias, once
             bias = consumer.mm.args[0]
             parts.append(emit(to, bias, torch.float32) if wide else bias)
-        total = parts[0]
-        for part in parts[1:]:
-            total = emit(aten.add.Tensor, total, part)
+        total = sum_nodes(emit, parts)
         return emit(to, total, dtype) if wide else total
     y = emit(aten.cat.default, pieces, output_axis(consumer, d))
     return y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape))
@@ -128,6 +135,7 @@ def as_rows(emit: Emitter, chunk: fx.Node, width: int) -> fx.Node:
 
 
 def sum_nodes(emit: Emitter, nodes: list[fx.Node]) -> fx.Node:
+    """``nodes[0] + nodes[1] + ...``, added in that order."""
     total = nodes[0]
     for node in nodes[1:]:
         total = emit(aten.add.Tensor, total, node)
@@ -147,18 +155,29 @@ def whole_tensor_readers(site: Site) -> list[str]:
     chain = {v for c in site.consumers for v in (*c.views, *c.permutes)}
     covered = chain | {c.mm for c in site.consumers}
     names = []
-    for node in [site.tensor, *(n for n in chain if n is not None)]:
+    for node in [site.tensor, *chain]:
         via = "" if node is site.tensor else f" (via {node.name})"
         names += [f"{u.name}{via}" for u in node.users if u not in covered]
     return names
 
 
-def finish_all_gather(emit: Emitter, site: Site, results: list[fx.Node], held: list[fx.Node]) -> None:
-    """Replace the consumers by their results; serve any other reader of the gathered tensor
-    from the pieces (never by a second collective)."""
+def finish_all_gather(
+    emit: Emitter, site: Site, outputs: list[list[fx.Node]], partials: list[list[fx.Node]], held: list[fx.Node]
+) -> None:
+    """Assemble each consumer's result (``outputs``: its pieces in tensor order; ``partials``:
+    a contraction consumer's partial products) and replace the consumer by it; serve any other
+    reader of the gathered tensor from the pieces ``held`` (never by a second collective)."""
     readers = whole_tensor_readers(site)
-    for consumer, result in zip(site.consumers, results):
-        consumer.mm.replace_all_uses_with(result)
+    for c, consumer in enumerate(site.consumers):
+        pieces = partials[c] if consumer.role == "contraction" else outputs[c]
+        consumer.mm.replace_all_uses_with(assemble(emit, consumer, pieces, site.dim))
     if readers:
         site.tensor.replace_all_uses_with(emit(aten.cat.default, held, site.dim))
         site.notes.append(f"gathered tensor rebuilt from the pieces for {', '.join(readers)}")
+
+
+def finish_reduce_scatter(emit: Emitter, site: Site, own: list[fx.Node], count: int) -> None:
+    """Replace the scattered result by this rank's pieces (each [rows, M], of ``count``) in order."""
+    shape = piece_shape(site, count)
+    joined = join(emit, [emit(aten.reshape.default, piece, shape) for piece in own], site.dim)
+    site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))

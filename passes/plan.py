@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from math import prod
 
-from commfuse_compile.cost_model import Matmul, Workload, candidates, choose, estimate
+from commfuse_compile.cost_model import Matmul, Workload, candidates, choose, estimate, pieces_per_chunk
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.profiles import resolve_profile
 
@@ -69,7 +69,7 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions) ->
     vanilla = estimate(work, profile, "vanilla")
     feasible, infeasible = [], []
     for schedule, m in candidates("auto" if options.schedule == "off" else options.schedule, options.chunks_per_rank):
-        count = site.group_size * m * (2 if schedule == "bidirectional" else 1)
+        count = site.group_size * pieces_per_chunk(schedule, m)
         problems = [p for c in site.consumers if (p := _cut_problem(site, tensor, c, count))]
         (infeasible if problems else feasible).append((schedule, m, problems[0] if problems else ""))
     if infeasible and feasible:  # say what could not be considered, and why (the first reason)

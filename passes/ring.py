@@ -44,8 +44,20 @@ import itertools
 import torch
 import torch.fx as fx
 
-from .chunks import assemble, cut, finish_all_gather, in_layout, matmul_like, piece_product, piece_shape, rows_of_pieces, sum_nodes
-from .graph_utils import WAIT, Emitter, aten, fake, left_operand
+from commfuse_compile.cost_model import ring_substeps
+
+from .chunks import (
+    cut,
+    emitter_before_consumers,
+    finish_all_gather,
+    finish_reduce_scatter,
+    in_layout,
+    matmul_like,
+    piece_product,
+    rows_of_pieces,
+    sum_nodes,
+)
+from .graph_utils import WAIT, Emitter, aten, left_operand
 from .site import RingStep, Site
 
 
@@ -55,20 +67,12 @@ def _exchange_op():
     return torch.ops.commfuse.ring_exchange.default
 
 
-def streams(site: Site) -> list[list[tuple[int, int]]]:
-    """Sub-steps of one ring step: the (piece, direction) pairs that move together."""
-    m = site.chunks_per_rank
-    if site.schedule == "bidirectional":
-        return [[(s, +1), (m + s, -1)] for s in range(m)]
-    return [[(s, +1)] for s in range(m)]
-
-
 def flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
     n, d, group = site.group_size, site.dim, site.group_name
-    substeps = streams(site)
+    substeps = ring_substeps(site.schedule, site.chunks_per_rank)
     per_chunk = sum(len(sub) for sub in substeps)
     count = n * per_chunk
-    emit = Emitter(graph, before=min((c.mm for c in site.consumers), key=_position(graph)))
+    emit = emitter_before_consumers(graph, site)
     exchange = _exchange_op()
     cur = dict(enumerate(cut(emit, site.collective.args[0], d, per_chunk)))  # piece -> node holding it
     held: list[fx.Node | None] = [None] * count
@@ -97,16 +101,12 @@ def flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count)
                 site.steps.append(RingStep(chunk=q[piece], compute=computed[piece], start=starts.get(piece), wait=wait))
                 if wait is not None:
                     cur[piece] = wait
-    results = [
-        assemble(emit, consumer, partials[c] if consumer.role == "contraction" else outputs[c], d)
-        for c, consumer in enumerate(site.consumers)
-    ]
-    finish_all_gather(emit, site, results, held)
+    finish_all_gather(emit, site, outputs, partials, held)
 
 
 def flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
-    n, d, group = site.group_size, site.dim, site.group_name
-    substeps = streams(site)
+    n, group = site.group_size, site.group_name
+    substeps = ring_substeps(site.schedule, site.chunks_per_rank)
     per_chunk = sum(len(sub) for sub in substeps)
     count = n * per_chunk
     emit = Emitter(graph, before=site.wait)
@@ -136,12 +136,4 @@ def flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.co
                     acc[piece] = emit(exchange, p, (r + direction) % n, (r - direction) % n, group, next(tags))
                 else:
                     own[piece] = p  # the last step computes this rank's own chunk: no tail
-    shape = piece_shape(site, count)
-    pieces = [emit(aten.reshape.default, own[piece], shape) for piece in sorted(own)]
-    joined = pieces[0] if len(pieces) == 1 else emit(aten.cat.default, pieces, d)
-    site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))
-
-
-def _position(graph: fx.Graph):
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__
+    finish_reduce_scatter(emit, site, [own[piece] for piece in sorted(own)], count)

@@ -24,7 +24,19 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .chunks import assemble, cut, finish_all_gather, in_layout, matmul_like, output_axis, piece_product, piece_shape, rows_of_pieces, sum_nodes
+from .chunks import (
+    cut,
+    emitter_before_consumers,
+    finish_all_gather,
+    finish_reduce_scatter,
+    in_layout,
+    matmul_like,
+    output_axis,
+    piece_product,
+    piece_shape,
+    rows_of_pieces,
+    sum_nodes,
+)
 from .graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, Emitter, aten, fake, left_operand
 from .site import RingStep, Site
 
@@ -32,8 +44,7 @@ from .site import RingStep, Site
 def sliced_all_gather(graph: fx.Graph, site: Site) -> None:
     n, d, k, group = site.group_size, site.dim, site.chunks_per_rank, site.group_name
     count = n * k
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    emit = Emitter(graph, before=min((c.mm for c in site.consumers), key=order.__getitem__))
+    emit = emitter_before_consumers(graph, site)
     slices = cut(emit, site.collective.args[0], d, k)
     gathers = [emit(ALL_GATHER, slices[0], n, group)]
     held: list[fx.Node | None] = [None] * count
@@ -61,15 +72,11 @@ def sliced_all_gather(graph: fx.Graph, site: Site) -> None:
         site.steps.append(RingStep(chunk=s, compute=compute, start=gathers[s + 1] if s < k - 1 else None, wait=wait))
         if wait is not None:
             waits.append(wait)
-    results = [
-        assemble(emit, consumer, partials[c] if consumer.role == "contraction" else outputs[c], d)
-        for c, consumer in enumerate(site.consumers)
-    ]
-    finish_all_gather(emit, site, results, held)
+    finish_all_gather(emit, site, outputs, partials, held)
 
 
 def sliced_reduce_scatter(graph: fx.Graph, site: Site) -> None:
-    n, d, k, group = site.group_size, site.dim, site.chunks_per_rank, site.group_name
+    n, k, group = site.group_size, site.chunks_per_rank, site.group_name
     count = n * k
     emit = Emitter(graph, before=site.wait)
     scatters: list[fx.Node] = []
@@ -88,10 +95,7 @@ def sliced_reduce_scatter(graph: fx.Graph, site: Site) -> None:
         site.steps.append(RingStep(chunk=s, compute=compute, start=previous, wait=wait))
         scatters.append(emit(REDUCE_SCATTER, _stacked(emit, product, site, n), "sum", n, group))
     results.append(emit(WAIT, scatters[-1]))  # the tail
-    shape = piece_shape(site, count)
-    pieces = [emit(aten.reshape.default, w, shape) for w in results]
-    joined = pieces[0] if len(pieces) == 1 else emit(aten.cat.default, pieces, d)
-    site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))
+    finish_reduce_scatter(emit, site, results, count)
 
 
 def _in_dim_layout(emit: Emitter, gathered: fx.Node, n: int, d: int) -> fx.Node:
