@@ -2,13 +2,15 @@
 
     compiled = torch.compile(model, backend="commfuse", options={...})
 
-See :mod:`commfuse_compile.backend` for the backend, :class:`CommfuseOptions` for the options
-and :func:`last_report` for what the pass did.
+See :mod:`commfuse_compile.backend` for the backend, :class:`CommfuseOptions` for the options,
+:func:`last_report` for what the pass did, and :func:`explain` / :func:`fake_world` to see it for
+any world size in one process.
 """
 
 from . import p2p  # noqa: F401  (registers torch.ops.commfuse.ring_exchange)
 from .options import CommfuseOptions
-from .report import CompileReport, SiteRecord, StepRecord, clear_reports, last_report, reports
+from .explain import explain, fake_world
+from .report import CompileReport, Report, SiteRecord, StepRecord, clear_reports, last_report, reports
 
 __version__ = "0.1.0"
 
@@ -25,9 +27,12 @@ def __getattr__(name: str):
 __all__ = [
     "CommfuseOptions",
     "CompileReport",
+    "Report",
     "SiteRecord",
     "StepRecord",
     "clear_reports",
+    "explain",
+    "fake_world",
     "last_report",
     "reports",
     "simple_fsdp",

@@ -1,8 +1,11 @@
 """Command line: ``python -m commfuse_compile <command>``.
 
 Commands:
-    demo    compile a sequence-parallel MLP with backend="commfuse" on N CPU ranks and compare
-            it with eager (see :mod:`commfuse_compile.demo`).
+    demo      compile a sequence-parallel MLP with backend="commfuse" on N CPU ranks and compare
+              it with eager (see :mod:`commfuse_compile.demo`).
+    explain   what the backend does to a model, in one process at any world size.
+    simulate  model one matmul + collective under every schedule on a hardware profile.
+    bench     run one of the benchmarks in benchmarks/.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
 
     # Import lazily: the demo pulls in torch.distributed and spawns processes.
+    from commfuse_compile import commands as cmd
     from commfuse_compile import demo
 
-    demo_parser = commands.add_parser(
-        "demo",
-        help="compile a sequence-parallel MLP on N CPU ranks and compare it with eager",
-        description=demo.DESCRIPTION,
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
+    for name, help_, description, add, run in [
+        ("demo", "compile a sequence-parallel MLP on N CPU ranks and compare it with eager", demo.DESCRIPTION, demo.add_arguments, demo.run),
+        ("explain", "what the backend does to a model, at any world size, in one process", cmd.EXPLAIN, cmd.add_explain_arguments, cmd.run_explain),
+        ("simulate", "model a matmul + collective under every schedule", cmd.SIMULATE, cmd.add_simulate_arguments, cmd.run_simulate),
+        ("bench", "run a benchmark from benchmarks/", cmd.BENCH, cmd.add_bench_arguments, cmd.run_bench),
+    ]:
+        sub = commands.add_parser(name, help=help_, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add(sub)
+        sub.set_defaults(run=run)
 
     args = parser.parse_args(argv)
     return args.run(args)

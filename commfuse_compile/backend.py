@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import pathlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch._dynamo.utils import counters
 
 from ._compat import CustomInferenceAwareGraphPass, get_hash_for_files
 from .options import CommfuseOptions
-from .report import CompileReport, new_report
+from .report import Report, new_report
 
 log = logging.getLogger("commfuse_compile")
 
@@ -37,7 +38,7 @@ class CommfusePass(CustomInferenceAwareGraphPass):
     rank 0 must never be served to rank 1 from a shared Inductor cache.
     """
 
-    def __init__(self, options: CommfuseOptions, report: CompileReport):
+    def __init__(self, options: CommfuseOptions, report: Report):
         self.options = options
         self.report = report
 
@@ -45,9 +46,11 @@ class CommfusePass(CustomInferenceAwareGraphPass):
         from commfuse_compile.passes import graph_kind, run_pipeline
 
         kind = graph_kind(graph, is_inference)
-        self.report.graphs.append(kind)
+        self.report.graph_kinds.append(kind)
+        started = time.perf_counter()
         try:
             run_pipeline(graph, self.options, kind, self.report)
+            self.report.add_graph(kind, graph)
         except Exception as err:
             if self.options.strict:
                 raise
@@ -57,6 +60,8 @@ class CommfusePass(CustomInferenceAwareGraphPass):
             )
             log.warning(message)
             self.report.errors.append(message)
+        finally:
+            self.report.pass_seconds += time.perf_counter() - started
 
     def uuid(self) -> str:
         rank = f"rank={dist.get_rank()}/{dist.get_world_size()}" if dist.is_initialized() else "rank=-"
@@ -113,7 +118,7 @@ def commfuse(
         log.warning(
             "commfuse rewrote nothing in compile %d (graphs %s): %s",
             report.compile_id,
-            report.graphs,
+            report.graph_kinds,
             reasons,
         )
     return compiled

@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import commfuse_compile
-from commfuse_compile.report import CompileReport, StepRecord
+from commfuse_compile.report import Report, StepRecord
 
 # Small sizes: the demo must compile and run in well under a minute on a 2-core machine, with
 # every rank compiling the forward and backward graphs on its own.
@@ -261,7 +261,7 @@ def _forward_backward(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor)
     }
 
 
-def _print_report(report: CompileReport | None, diffs: dict[str, float], world_size: int) -> None:
+def _print_report(report: Report | None, diffs: dict[str, float], world_size: int) -> None:
     print(f"commfuse demo: sequence-parallel MLP on {world_size} rank(s), per-rank x [{BATCH}, {SEQ}, {HIDDEN}]")
     if report is None:
         print("no commfuse compile happened")

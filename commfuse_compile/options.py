@@ -33,6 +33,10 @@ class CommfuseOptions:
             keyed by ``"all_gather_matmul"`` / ``"matmul_reduce_scatter"``.
         flash_ag: decompose all-gather → matmul at all.
         flash_rs: decompose matmul → reduce-scatter at all.
+        fusion: compute the row-local ops next to each ring inside its steps: after Flash-AG
+            the elementwise ops, norms over the last dim and replicated-weight matmuls that
+            follow; before Flash-RS the ops that produce its matmul's input, including
+            query-split attention. Off: only the matmuls are cut.
         pin_order: pin every step as start → matmul → wait in Inductor's generated code.
             Without it Inductor's peak-memory reordering may pull each wait up to its start,
             which keeps results exact but removes the overlap.
@@ -46,6 +50,7 @@ class CommfuseOptions:
     min_speedup: float | Mapping[str, float] = 1.0
     flash_ag: bool = True
     flash_rs: bool = True
+    fusion: bool = True
     pin_order: bool = True
     strict: bool = False
 
@@ -67,7 +72,7 @@ class CommfuseOptions:
                 f"unknown commfuse option(s) {', '.join(map(repr, unknown))}; "
                 f"valid keys: {', '.join(cls.valid_keys())}"
             )
-        for key in ("flash_ag", "flash_rs", "pin_order", "strict"):
+        for key in ("flash_ag", "flash_rs", "fusion", "pin_order", "strict"):
             if key in options and not isinstance(options[key], bool):
                 raise ValueError(f"commfuse option {key!r} must be True or False, got {options[key]!r}")
         made = cls(**options)

@@ -1,9 +1,10 @@
 """What the pass did and why: records per compile, readable from Python and logged.
 
-Every collective the pass looks at becomes a :class:`SiteRecord` — rewritten, or skipped with
-the reason. Records are grouped per backend call (one Dynamo graph, its forward and backward)
-in a :class:`CompileReport`. Everything is also logged under the ``commfuse_compile`` logger
-(``TORCH_LOGS="+commfuse_compile"`` shows it through torch's logging).
+Every collective the pass looks at becomes a :class:`SiteRecord` (a *match*) — rewritten, or
+skipped with the reason, with the cost model's estimates. Records are grouped per backend call
+(one Dynamo graph, its forward and backward) in a :class:`Report`, which also keeps the
+rewritten graphs; :func:`commfuse_compile.explain` returns the same type. Everything is logged
+under the ``commfuse_compile`` logger (``TORCH_LOGS="+commfuse_compile"`` shows it).
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import shutil
+import subprocess
 import threading
+from typing import Any
+
+import torch.fx as fx
 
 log = logging.getLogger("commfuse_compile")
+
+KINDS = {"all_gather→mm": "all_gather_matmul", "mm→reduce_scatter": "matmul_reduce_scatter"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +36,7 @@ class StepRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SiteRecord:
-    """One all-gather or reduce-scatter the pass inspected."""
+    """One all-gather or reduce-scatter the pass inspected (a match)."""
 
     graph: str  # "forward" | "backward" | "inference"
     pattern: str  # "all_gather→mm" | "mm→reduce_scatter"
@@ -45,10 +53,25 @@ class SiteRecord:
     chunks_per_rank: int | None = None  # m (slices for "slicing") when rewritten
     profile: str | None = None  # the cost model's hardware profile
     estimates: dict[str, float] = dataclasses.field(default_factory=dict)  # modelled seconds per candidate
+    fused: tuple[str, ...] = ()  # ops (original node names) computed inside the steps (``fusion``)
+    dim: int = 0  # the gathered / scattered dim of the logical tensor
+    region: tuple[str, ...] = ()  # nodes the rewrite emitted, in the rewritten graph
+    # The modelled timelines (cost_model.Estimate) of vanilla and of the chosen (or best) schedule.
+    modeled: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def rewritten(self) -> bool:
         return self.action == "rewritten"
+
+    @property
+    def kind(self) -> str:
+        """"all_gather_matmul" or "matmul_reduce_scatter"."""
+        return KINDS.get(self.pattern, self.pattern)
+
+    @property
+    def decision(self) -> str:
+        """The schedule used ("ring", "bidirectional", "slicing"), or "skip"."""
+        return self.schedule if self.rewritten and self.schedule else "skip"
 
     def summary(self) -> str:
         what = "rewritten" if self.rewritten else "skipped"
@@ -60,15 +83,22 @@ class SiteRecord:
 
 
 @dataclasses.dataclass
-class CompileReport:
-    """Everything recorded for one call of the ``commfuse`` backend."""
+class Report:
+    """Everything recorded for one call of the ``commfuse`` backend (or one :func:`explain`)."""
 
     compile_id: int
     options: dict[str, object]
     sites: list[SiteRecord] = dataclasses.field(default_factory=list)
-    graphs: list[str] = dataclasses.field(default_factory=list)  # graph kinds the pass ran on
+    graph_kinds: list[str] = dataclasses.field(default_factory=list)  # graphs the pass ran on
+    graphs: dict[str, fx.GraphModule] = dataclasses.field(default_factory=dict)  # rewritten, by kind
     cache_hits: int = 0  # graphs Inductor served from its FX cache (the pass did not run)
     errors: list[str] = dataclasses.field(default_factory=list)
+    pass_seconds: float = 0.0  # wall time spent in the commfuse pass (all graphs of this compile)
+
+    @property
+    def matches(self) -> list[SiteRecord]:
+        """Every candidate pattern, rewritten or skipped."""
+        return self.sites
 
     @property
     def rewritten(self) -> list[SiteRecord]:
@@ -78,35 +108,112 @@ class CompileReport:
     def skipped(self) -> list[SiteRecord]:
         return [s for s in self.sites if not s.rewritten]
 
+    def add_graph(self, kind: str, graph: fx.Graph) -> None:
+        """Keep a copy of a rewritten graph (a second graph of a kind gets a numbered key)."""
+        from commfuse_compile.passes.graph_utils import GraphSnapshot
+
+        key = next(k for k in itertools.chain([kind], (f"{kind}#{i}" for i in itertools.count(1))) if k not in self.graphs)
+        self.graphs[key] = fx.GraphModule(getattr(graph, "owning_module", None) or {}, GraphSnapshot(graph).saved)
+
     def summary(self) -> str:
+        """A readable table: one row per match, then each match's reason and notes."""
         head = (
             f"commfuse compile {self.compile_id}: {len(self.rewritten)} rewritten, "
-            f"{len(self.skipped)} skipped in graphs {self.graphs or '[]'}"
+            f"{len(self.skipped)} skipped in graphs {self.graph_kinds or '[]'}"
         )
         if self.cache_hits:
             head += f"; {self.cache_hits} graph(s) served from Inductor's cache (pass not re-run)"
-        return "\n".join([head, *(f"  {s.summary()}" for s in self.sites), *self.errors])
+        rows = [("#", "graph", "kind", "group", "dim", "tensor", "decision", "model vs vanilla")]
+        for i, s in enumerate(self.sites):
+            tensor = _shapes(dict(list(s.shapes.items())[:1]))  # the shard / the scattered input
+            rows.append((str(i), s.graph, s.kind, f"{s.group_size}", str(s.dim), tensor, _decision(s), _speedup(s)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        why = [f"  #{i}: {'; '.join([s.reason, *s.notes])} ({_shapes(s.shapes)})" for i, s in enumerate(self.sites)]
+        return "\n".join([head, *table, *why, *self.errors])
+
+    def to_dot(self, path: str, match: int | None = None) -> str:
+        """Write the rewritten region of a match (default: the first rewritten one) as a DOT
+        graph — ring transfers, their waits, the matmuls and fused ops, and the inputs they read
+        — and, when Graphviz's ``dot`` is installed, an SVG next to it. Returns the DOT path."""
+        from .dot import region_dot
+
+        index = match if match is not None else next((i for i, s in enumerate(self.sites) if s.rewritten), None)
+        if index is None or not self.sites[index].rewritten:
+            raise ValueError(f"to_dot: match {index} was not rewritten; rewritten matches: {[i for i, s in enumerate(self.sites) if s.rewritten]}")
+        site = self.sites[index]
+        graph = self.graphs.get(site.graph)
+        if graph is None:
+            raise ValueError(f"to_dot: the {site.graph} graph was not kept (served from Inductor's cache?)")
+        with open(path, "w") as f:
+            f.write(region_dot(graph.graph, site, title=f"#{index} {site.summary().split(':')[0]}"))
+        if shutil.which("dot"):
+            subprocess.run(["dot", "-Tsvg", path, "-o", path.rsplit(".", 1)[0] + ".svg"], check=True)
+        return path
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write the modelled timelines (compute lane, one lane per link direction, one event
+        per step) of vanilla and of the chosen schedule of every match, for chrome://tracing or
+        https://ui.perfetto.dev."""
+        from .trace import write_chrome_trace
+
+        named = [(f"#{i} {s.graph} {s.kind}: {e.label}", e) for i, s in enumerate(self.sites) for e in s.modeled]
+        write_chrome_trace(path, [e for _, e in named], title=f"commfuse compile {self.compile_id}", names=[n for n, _ in named])
+
+
+CompileReport = Report  # the name before inspection existed
+
+
+def _decision(site: SiteRecord) -> str:
+    if site.rewritten and site.schedule:
+        return f"{site.schedule}(m={site.chunks_per_rank})"
+    return "skip"
+
+
+def _speedup(site: SiteRecord) -> str:
+    if "vanilla" not in site.estimates or len(site.estimates) < 2:
+        return ""
+    label = f"{site.schedule}(m={site.chunks_per_rank})" if site.rewritten else min(
+        (k for k in site.estimates if k != "vanilla"), key=site.estimates.__getitem__
+    )
+    if label not in site.estimates:
+        return ""
+    return f"{label} {site.estimates[label] * 1e3:.3g} ms vs {site.estimates['vanilla'] * 1e3:.3g} ms"
 
 
 _lock = threading.Lock()
-_reports: list[CompileReport] = []
+_reports: list[Report] = []
 _ids = itertools.count()
 
 
-def new_report(options: dict[str, object]) -> CompileReport:
-    report = CompileReport(compile_id=next(_ids), options=options)
+def new_report(options: dict[str, object]) -> Report:
+    report = Report(compile_id=next(_ids), options=options)
     with _lock:
         _reports.append(report)
     return report
 
 
-def reports() -> list[CompileReport]:
+def merge_reports(parts: list[Report]) -> Report:
+    """One report of several compiles (a function with graph breaks compiles once per graph)."""
+    merged = Report(compile_id=parts[0].compile_id if parts else -1, options=parts[0].options if parts else {})
+    for part in parts:
+        merged.sites += part.sites
+        merged.graph_kinds += part.graph_kinds
+        merged.errors += part.errors
+        merged.cache_hits += part.cache_hits
+        merged.pass_seconds += part.pass_seconds
+        for kind, graph in part.graphs.items():
+            merged.graphs[kind if kind not in merged.graphs else f"{kind}#{len(merged.graphs)}"] = graph
+    return merged
+
+
+def reports() -> list[Report]:
     """All compile reports of this process, oldest first."""
     with _lock:
         return list(_reports)
 
 
-def last_report() -> CompileReport | None:
+def last_report() -> Report | None:
     """The report of the most recent ``commfuse`` compile in this process, if any."""
     with _lock:
         return _reports[-1] if _reports else None

@@ -14,8 +14,9 @@ import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group, stable_topological_sort
 from commfuse_compile.options import CommfuseOptions
-from commfuse_compile.report import CompileReport
+from commfuse_compile.report import Report
 
+from .fusion import Fuse, reserved_nodes
 from .graph_utils import GraphSnapshot
 from .match import find_sites
 from .order import pin_ring_order
@@ -45,7 +46,7 @@ def run_pipeline(
     graph: fx.Graph,
     options: CommfuseOptions,
     kind: str,
-    report: CompileReport,
+    report: Report,
     rank_of: Callable[[str], int] = group_rank,
 ) -> list[Site]:
     """Run every stage on ``graph`` in place and record the outcome in ``report``.
@@ -57,9 +58,12 @@ def run_pipeline(
     try:
         sites = [plan_site(site, options) for site in find_sites(graph, kind)]
         tags = itertools.count(1)  # same sites in the same order on every rank: tags match
+        fuse = Fuse(options.fusion, reserved_nodes(sites))
         for site in sites:
             if site.decision == "rewrite":
-                rewrite_site(graph, site, rank_of(site.group_name), tags)
+                before = set(graph.nodes)
+                rewrite_site(graph, site, rank_of(site.group_name), tags, fuse)
+                site.region = [n.name for n in graph.nodes if n not in before]
         stable_topological_sort(graph)
         remove_replaced(graph, sites)
         if options.pin_order:

@@ -22,6 +22,16 @@ def cut(emit: Emitter, tensor: fx.Node, dim: int, parts: int) -> list[fx.Node]:
     return [emit(aten.slice.Tensor, tensor, dim, i * size, (i + 1) * size) for i in range(parts)]
 
 
+def shard_pieces(emit: Emitter, site: Site, parts: int) -> list[fx.Node]:
+    """This rank's shard of a Flash-AG site cut into ``parts`` pieces along the site's dim.
+    Along dim 0 a piece is a block of whole rows; where dim 0 has too few entries (a batch-1
+    sequence gather, [1, S/N, H]) the shard is cut as rows of [-1, H] instead."""
+    shard = site.collective.args[0]
+    if site.dim == 0 and fake(shard).shape[0] % parts:
+        shard = emit(aten.reshape.default, shard, [-1, fake(site.tensor).shape[-1]])
+    return cut(emit, shard, site.dim, parts)
+
+
 def join(emit: Emitter, parts: list[fx.Node], dim: int) -> fx.Node:
     """``parts`` concatenated along ``dim`` (one part: itself)."""
     return parts[0] if len(parts) == 1 else emit(aten.cat.default, parts, dim)
@@ -172,12 +182,17 @@ def finish_all_gather(
         pieces = partials[c] if consumer.role == "contraction" else outputs[c]
         consumer.mm.replace_all_uses_with(assemble(emit, consumer, pieces, site.dim))
     if readers:
-        site.tensor.replace_all_uses_with(emit(aten.cat.default, held, site.dim))
+        whole = emit(aten.cat.default, held, site.dim)
+        if fake(whole).shape != fake(site.tensor).shape:  # pieces cut as rows (shard_pieces)
+            whole = emit(aten.reshape.default, whole, list(fake(site.tensor).shape))
+        site.tensor.replace_all_uses_with(whole)
         site.notes.append(f"gathered tensor rebuilt from the pieces for {', '.join(readers)}")
 
 
 def finish_reduce_scatter(emit: Emitter, site: Site, own: list[fx.Node], count: int) -> None:
-    """Replace the scattered result by this rank's pieces (each [rows, M], of ``count``) in order."""
-    shape = piece_shape(site, count)
-    joined = join(emit, [emit(aten.reshape.default, piece, shape) for piece in own], site.dim)
+    """Replace the scattered result by this rank's pieces (each [rows, M], of ``count``) in order
+    (along dim 0 they are blocks of rows already)."""
+    if site.dim:
+        own = [emit(aten.reshape.default, piece, piece_shape(site, count)) for piece in own]
+    joined = join(emit, own, site.dim)
     site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))

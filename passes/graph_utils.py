@@ -79,11 +79,11 @@ class Emitter:
         self.before = before
         self.fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if "val" in n.meta])
 
-    def __call__(self, target: Callable[..., Any], *args: Any) -> fx.Node:
+    def __call__(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, args)
+            node = self.graph.call_function(target, args, kwargs)
         with self.fake_mode:
-            node.meta["val"] = target(*fx.node.map_arg(args, fake))
+            node.meta["val"] = target(*fx.node.map_arg(args, fake), **fx.node.map_arg(kwargs, fake))
         return node
 
 

@@ -78,6 +78,8 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions) ->
     estimates = [estimate(work, profile, schedule, m) for schedule, m, _ in feasible]
     site.estimates = {e.label: e.seconds for e in [vanilla, *estimates]}
     site.profile = profile.name
+    if estimates:
+        site.modeled = (vanilla, min(estimates, key=lambda e: (e.seconds, e.label)))
     if options.schedule == "off":
         return site.skip("schedule='off': matched and estimated, left to Inductor")
     if not feasible:
@@ -94,6 +96,7 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions) ->
     else:
         (best,) = estimates
     site.schedule, site.chunks_per_rank = best.schedule, best.chunks_per_rank
+    site.modeled = (vanilla, best)
     flash = "Flash-AG" if site.pattern == "all_gather→mm" else "Flash-RS"
     what = f"{flash} {NAMES[best.schedule]}" if best.schedule != "slicing" else f"{flash} slicing baseline, {best.chunks_per_rank} slices"
     pieces = f", {best.chunks_per_rank} pieces per chunk" if best.schedule != "slicing" and best.chunks_per_rank > 1 else ""
@@ -133,18 +136,21 @@ def _chunk_problem(tensor: list[int], dim: int, count: int, rows_by_width: list[
     pieces of ``tensor`` along ``dim`` (None if it can).
 
     dim 0: piece q is elements [q·E, (q+1)·E) of the row-major tensor (E = numel / count), a
-    block of whole rows of the 2-D view exactly when E is a multiple of the row width.
+    block of whole rows of the 2-D view exactly when E is a multiple of the row width (and of
+    the tensor's last dim, the rows a shard is cut into when dim 0 itself is too short).
     dim d > 0: pieces are not contiguous, so each is reshaped on its own; that is exact when the
     2-D view flattens every dim but the last, and d is not that last dim.
     """
     if rows_by_width is None:
         return "symbolic matmul shape"
     rows, width = rows_by_width
+    if dim == 0:
+        per_piece, rest = divmod(prod(tensor), count)
+        if rest or per_piece % width or per_piece % tensor[-1]:
+            return f"{tensor} does not split into {count} blocks of whole rows of [{rows}, {width}]"
+        return None
     if tensor[dim] % count:
         return f"dim {dim} of {tensor} does not split into {count} pieces"
-    if dim == 0:
-        per_piece = prod(tensor) // count
-        return None if per_piece % width == 0 else f"a piece of {count} is not whole rows of [{rows}, {width}]"
     if dim == len(tensor) - 1:
         return f"dim {dim} is the last dim (the contraction dim of Flash-AG's matmul, the columns of Flash-RS's): not yet supported"
     if [rows, width] != [prod(tensor[:-1]), tensor[-1]]:

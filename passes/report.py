@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from commfuse_compile.report import CompileReport, SiteRecord, StepRecord, log
+from commfuse_compile.report import Report, SiteRecord, StepRecord, log
 
 from .site import Site
 
 
-def record_sites(sites: list[Site], report: CompileReport) -> None:
+def record_sites(sites: list[Site], report: Report) -> None:
     for site in sites:
         record = SiteRecord(
             graph=site.graph,
@@ -24,6 +24,10 @@ def record_sites(sites: list[Site], report: CompileReport) -> None:
             chunks_per_rank=site.chunks_per_rank if site.decision == "rewrite" else None,
             profile=site.profile,
             estimates=dict(site.estimates),
+            fused=tuple(n.name for n in site.fused),
+            dim=site.dim,
+            region=tuple(site.region),
+            modeled=tuple(site.modeled),
             steps=tuple(
                 StepRecord(
                     chunk=step.chunk,

@@ -47,17 +47,17 @@ import torch.fx as fx
 from commfuse_compile.cost_model import ring_substeps
 
 from .chunks import (
-    cut,
     emitter_before_consumers,
     finish_all_gather,
     finish_reduce_scatter,
     in_layout,
     matmul_like,
     piece_product,
-    rows_of_pieces,
+    shard_pieces,
     sum_nodes,
 )
-from .graph_utils import WAIT, Emitter, aten, left_operand
+from .fusion import Fuse
+from .graph_utils import WAIT, Emitter, aten
 from .site import RingStep, Site
 
 
@@ -67,14 +67,15 @@ def _exchange_op():
     return torch.ops.commfuse.ring_exchange.default
 
 
-def flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
+def flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse) -> None:
     n, d, group = site.group_size, site.dim, site.group_name
     substeps = ring_substeps(site.schedule, site.chunks_per_rank)
     per_chunk = sum(len(sub) for sub in substeps)
     count = n * per_chunk
     emit = emitter_before_consumers(graph, site)
+    fused = fuse.after_gather(graph, site, count)
     exchange = _exchange_op()
-    cur = dict(enumerate(cut(emit, site.collective.args[0], d, per_chunk)))  # piece -> node holding it
+    cur = dict(enumerate(shard_pieces(emit, site, per_chunk)))  # piece -> node holding it
     held: list[fx.Node | None] = [None] * count
     outputs = [[None] * count for _ in site.consumers]
     partials = [[] for _ in site.consumers]  # contraction consumers, in ring order
@@ -96,20 +97,23 @@ def flash_all_gather(graph: fx.Graph, site: Site, r: int, tags: itertools.count)
                         partials[c].append(y)
                     else:
                         outputs[c][q[piece]] = in_layout(emit, consumer, y, cur[piece], d)
+                computed[piece] += fused.step(emit, q[piece], [out[q[piece]] for out in outputs])
             for piece, _ in sub:
                 wait = emit(WAIT, starts[piece]) if piece in starts else None
                 site.steps.append(RingStep(chunk=q[piece], compute=computed[piece], start=starts.get(piece), wait=wait))
                 if wait is not None:
                     cur[piece] = wait
+    fused.finish(emit)
     finish_all_gather(emit, site, outputs, partials, held)
 
 
-def flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.count) -> None:
+def flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse) -> None:
     n, group = site.group_size, site.group_name
     substeps = ring_substeps(site.schedule, site.chunks_per_rank)
     per_chunk = sum(len(sub) for sub in substeps)
     count = n * per_chunk
     emit = Emitter(graph, before=site.wait)
+    fused = fuse.before_scatter(graph, site, count)
     exchange = _exchange_op()
     acc: dict[int, fx.Node | None] = {piece: None for sub in substeps for piece, _ in sub}  # in flight from r-dir
     own: dict[int, fx.Node] = {}
@@ -118,10 +122,7 @@ def flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.co
             partial = {}
             for piece, direction in sub:
                 q = ((r - direction * (1 + i)) % n) * per_chunk + piece
-                compute = [
-                    matmul_like(emit, term, rows_of_pieces(emit, left_operand(term.mm), site, [q], count))
-                    for term in site.consumers
-                ]
+                compute = [matmul_like(emit, term, fused.rows(emit, t, [q])) for t, term in enumerate(site.consumers)]
                 partial[piece] = (q, compute, sum_nodes(emit, compute))
             for piece, direction in sub:
                 q, compute, p = partial[piece]
@@ -136,4 +137,5 @@ def flash_reduce_scatter(graph: fx.Graph, site: Site, r: int, tags: itertools.co
                     acc[piece] = emit(exchange, p, (r + direction) % n, (r - direction) % n, group, next(tags))
                 else:
                     own[piece] = p  # the last step computes this rank's own chunk: no tail
+    fused.finish(emit)
     finish_reduce_scatter(emit, site, [own[piece] for piece in sorted(own)], count)

@@ -94,6 +94,9 @@ class Site:
     profile: str | None = None
     estimates: dict[str, float] = dataclasses.field(default_factory=dict)
     rank: int | None = None  # this rank's index in the group, set by rewrite
+    fused: list[fx.Node] = dataclasses.field(default_factory=list)  # original ops now computed inside the steps
+    region: list[str] = dataclasses.field(default_factory=list)  # names of the nodes the rewrite emitted
+    modeled: tuple = ()  # cost_model.Estimate of vanilla and of the chosen (or best) schedule
     steps: list[RingStep] = dataclasses.field(default_factory=list)
 
     def skip(self, reason: str) -> Site:

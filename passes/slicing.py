@@ -34,18 +34,20 @@ from .chunks import (
     output_axis,
     piece_product,
     piece_shape,
-    rows_of_pieces,
+    shard_pieces,
     sum_nodes,
 )
-from .graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, Emitter, aten, fake, left_operand
+from .fusion import Fuse
+from .graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, Emitter, aten, fake
 from .site import RingStep, Site
 
 
-def sliced_all_gather(graph: fx.Graph, site: Site) -> None:
+def sliced_all_gather(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     n, d, k, group = site.group_size, site.dim, site.chunks_per_rank, site.group_name
     count = n * k
     emit = emitter_before_consumers(graph, site)
-    slices = cut(emit, site.collective.args[0], d, k)
+    fused = fuse.after_gather(graph, site, count)
+    slices = shard_pieces(emit, site, k)
     gathers = [emit(ALL_GATHER, slices[0], n, group)]
     held: list[fx.Node | None] = [None] * count
     outputs = [[None] * count for _ in site.consumers]
@@ -68,25 +70,26 @@ def sliced_all_gather(graph: fx.Graph, site: Site) -> None:
                 laid_out = in_layout(emit, consumer, y, gathered, d)
                 for q, part in zip(pieces, cut(emit, laid_out, output_axis(consumer, d), n)):
                     outputs[c][q] = part
+        for q in pieces:
+            compute += fused.step(emit, q, [out[q] for out in outputs])
         wait = emit(WAIT, gathers[s + 1]) if s < k - 1 else None
         site.steps.append(RingStep(chunk=s, compute=compute, start=gathers[s + 1] if s < k - 1 else None, wait=wait))
         if wait is not None:
             waits.append(wait)
+    fused.finish(emit)
     finish_all_gather(emit, site, outputs, partials, held)
 
 
-def sliced_reduce_scatter(graph: fx.Graph, site: Site) -> None:
+def sliced_reduce_scatter(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     n, k, group = site.group_size, site.chunks_per_rank, site.group_name
     count = n * k
     emit = Emitter(graph, before=site.wait)
+    fused = fuse.before_scatter(graph, site, count)
     scatters: list[fx.Node] = []
     results: list[fx.Node] = []
     for s in range(k):
         pieces = [q * k + s for q in range(n)]
-        compute = [
-            matmul_like(emit, term, rows_of_pieces(emit, left_operand(term.mm), site, pieces, count))
-            for term in site.consumers
-        ]
+        compute = [matmul_like(emit, term, fused.rows(emit, t, pieces)) for t, term in enumerate(site.consumers)]
         product = sum_nodes(emit, compute)
         previous = scatters[-1] if scatters else None
         wait = emit(WAIT, previous) if previous is not None else None  # after this slice's matmul
@@ -95,6 +98,7 @@ def sliced_reduce_scatter(graph: fx.Graph, site: Site) -> None:
         site.steps.append(RingStep(chunk=s, compute=compute, start=previous, wait=wait))
         scatters.append(emit(REDUCE_SCATTER, _stacked(emit, product, site, n), "sum", n, group))
     results.append(emit(WAIT, scatters[-1]))  # the tail
+    fused.finish(emit)
     finish_reduce_scatter(emit, site, results, count)
 
 

@@ -7,7 +7,9 @@ import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-from commfuse_compile.passes import graph_kind
+from commfuse_compile.options import CommfuseOptions
+from commfuse_compile.passes import graph_kind, run_pipeline
+from commfuse_compile.report import new_report
 from commfuse_compile.passes.graph_utils import MM, GraphSnapshot
 
 aten = torch.ops.aten
@@ -41,6 +43,15 @@ def post_grad_graphs(fn, *inputs: torch.Tensor, backward: bool = True) -> dict[s
         outs = out if isinstance(out, tuple) else (out,)
         sum(o.sum() for o in outs).backward()
     return dict(capture.graphs)
+
+
+def rewrite_as(graph: fx.Graph, rank: int, kind: str, **options):
+    """Run the pipeline on a copy of ``graph`` as ``rank`` would (ring schedule unless
+    ``options`` say otherwise); returns the rewritten graph, its sites and the report."""
+    graph = copy_graph(graph)
+    report = new_report({})
+    sites = run_pipeline(graph, CommfuseOptions(**{"schedule": "ring", **options}), kind, report, rank_of=lambda _: rank)
+    return graph, sites, report
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

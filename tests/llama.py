@@ -7,72 +7,21 @@ import copy
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 
 import commfuse_compile
+from commfuse_compile import models
 
 # With batch 1 DTensor gathers the sequence with a plain view ([N, S/N, H] -> [1, S, H]) instead
 # of split + cat: the 2-D mesh test trains at batch 1, the others at BATCH.
 DIM, HEADS, FFN, BATCH, SEQ = 32, 4, 64, 2, 8
 
 
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+def Block() -> nn.Module:
+    return models.Block(DIM, HEADS, FFN)
 
 
-class FeedForward(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
-        self.w2 = nn.Linear(FFN, DIM, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.attention, self.feed_forward = Attention(), FeedForward()
-
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-def tp_plan() -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    to_replicated = dict(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(**to_replicated),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(**to_replicated),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
+tp_plan = models.tp_plan
 
 
 def train_llama_block(steps: int, mesh_shape: tuple[int, ...], options: dict | None = None, batch: int = BATCH) -> dict:
@@ -138,6 +87,7 @@ def train_llama_block(steps: int, mesh_shape: tuple[int, ...], options: dict | N
     return dict(
         diffs=diffs,
         sites=[(s.graph, s.pattern, s.action, s.group_name, s.group_size, s.reason) for s in report.sites],
+        fused=[s.fused for s in report.sites],
         tp_group=tp.get_group().group_name,
     )
 

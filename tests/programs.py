@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 import commfuse_compile
 
@@ -73,6 +74,37 @@ def weight_gather(x, w1, w2):
     return x @ w.t(), u @ w
 
 
+def batch1_view(x, w1, w2):
+    """DTensor's batch-1 sequence gather: ``all_gather`` of [1, S/N, H] shards, then views
+    [N, S/N, H] → [S, H] (no split/cat); the gathered dim 0 has only N entries, so pieces finer
+    than a rank's chunk are blocks of rows."""
+    h = funcol.all_gather_tensor(x.unsqueeze(0), 0, _group()).view(-1, x.shape[-1])
+    return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, _group())
+
+
+def row_local(x, w1, w2):
+    """Row-local ops between the collectives, fused into the ring steps: a bias, silu, a norm
+    over the last dim and a matmul with a replicated weight after the gather (their gradients
+    around the backward collectives)."""
+    h = funcol.all_gather_tensor(x, 0, _group())
+    y = F.silu(h @ w1 + 0.25)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    width = y.shape[-1]
+    mix = torch.linspace(-1.0, 1.0, width * width, dtype=y.dtype).view(width, width) / width**0.5  # replicated
+    return funcol.reduce_scatter_tensor((y @ mix) @ w2, "sum", 0, _group())
+
+
+def attention(x, w1, w2):
+    """Sequence-parallel causal self-attention, heads split across ranks: gather on the
+    sequence dim, q / k / v projections, SDPA, output projection, reduce-scatter on the
+    sequence dim. The reduce-scatter follows the output projection: query-split attention."""
+    h = funcol.all_gather_tensor(x, 1, _group())  # [B, S, H]
+    b, s, _ = h.shape
+    q, k, v = ((h @ w).view(b, s, 4, -1).transpose(1, 2) for w in (w1, w1.flip(0), 0.5 * w1))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return funcol.reduce_scatter_tensor(out.transpose(1, 2).reshape(b, s, -1) @ w2, "sum", 1, _group())
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (12, 16)),
@@ -80,8 +112,11 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "reused": (reused, (6, 16)),
     "sequence_parallel": (sequence_parallel, (2, 6, 16)),  # sharded on dim 1
     "weight_gather": (weight_gather, (6, 16)),
+    "row_local": (row_local, (6, 16)),
+    "batch1_view": (batch1_view, (8, 16)),
+    "attention": (attention, (2, 6, 16)),  # sharded on dim 1
 }
-SHARD_DIM = {"sequence_parallel": 1}
+SHARD_DIM = {"sequence_parallel": 1, "attention": 1}
 HIDDEN, FFN = 16, 32
 
 
@@ -147,7 +182,9 @@ def check_against_eager(program: str, dtype_name: str, options: dict | None = No
         diffs=compare(actual, expected, dtype),
         repeat_diffs=compare(again, expected, dtype),
         sites=site_summary(commfuse_compile.last_report()),
-        records=[dict(schedule=s.schedule, chunks_per_rank=s.chunks_per_rank) for s in commfuse_compile.last_report().sites],
+        records=[
+            dict(schedule=s.schedule, chunks_per_rank=s.chunks_per_rank, fused=s.fused) for s in commfuse_compile.last_report().sites
+        ],
     )
 
 

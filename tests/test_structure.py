@@ -2,6 +2,8 @@
 
 A fake group traces and compiles at any world size without communication, so the rewritten
 graph of *every* rank can be read: the pass is run on a captured post-grad graph once per rank.
+The chunk-order tests read the order from the matmuls' outputs, so they run without fusion
+(fusion has its own tests: test_fusion.py).
 """
 
 from __future__ import annotations
@@ -12,12 +14,9 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
-from graphs import copy_graph, flash_ag_order, flash_rs_order, post_grad_graphs, ring_exchanges, sliced_chunk_order
+from graphs import flash_ag_order, flash_rs_order, post_grad_graphs, rewrite_as, ring_exchanges, sliced_chunk_order
 
 import commfuse_compile
-from commfuse_compile.options import CommfuseOptions
-from commfuse_compile.passes import run_pipeline
-from commfuse_compile.report import new_report
 
 WORLD = 8
 
@@ -42,18 +41,11 @@ def mlp_graphs(world):
     return post_grad_graphs(mlp, x, w1, w2)
 
 
-def rewrite_as(graph, rank: int, kind: str, **options):
-    graph = copy_graph(graph)
-    report = new_report({})
-    sites = run_pipeline(graph, CommfuseOptions(**{"schedule": "ring", **options}), kind, report, rank_of=lambda _: rank)
-    return graph, sites, report
-
-
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_chunk_order_of_every_rank(mlp_graphs, kind):
     shard = "primals_1" if kind == "forward" else "tangents_1"
     for r in range(WORLD):
-        graph, sites, _ = rewrite_as(mlp_graphs[kind], r, kind, pin_order=False)
+        graph, sites, _ = rewrite_as(mlp_graphs[kind], r, kind, pin_order=False, fusion=False)
         assert [s.decision for s in sites] == ["rewrite", "rewrite"], [s.reason for s in sites]
 
         # Flash-AG: step k computes chunk (r - k) mod N, received after k hops from r - 1.
@@ -90,7 +82,7 @@ def sp_graphs(world):
 def test_sequence_parallel_chunk_order_of_every_rank(sp_graphs, kind):
     shard = "primals_1" if kind == "forward" else "tangents_1"
     for r in range(WORLD):
-        graph, sites, _ = rewrite_as(sp_graphs[kind], r, kind, pin_order=False)
+        graph, sites, _ = rewrite_as(sp_graphs[kind], r, kind, pin_order=False, fusion=False)
         ag, rs = sites
         assert (ag.decision, ag.dim, rs.decision, rs.dim) == ("rewrite", 1, "rewrite", 1), [s.reason for s in sites]
         expected_ag = [((r - k) % WORLD, k) for k in range(WORLD)]
@@ -106,18 +98,20 @@ def test_sequence_parallel_chunk_order_of_every_rank(sp_graphs, kind):
 def test_dtensor_sequence_parallel_split_form_of_every_rank(world):
     """DTensor SP emits split + getitem (not slices) around its collectives: the feed-forward
     half of the Llama block under its TP + SP plan, read back on every rank of 8."""
-    from llama import FeedForward, tp_plan
+    from llama import DIM, FFN, tp_plan
+
+    from commfuse_compile.models import FeedForward
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (WORLD,))
     # Inside a container, so that the input hook (Shard(1) -> Replicate) is part of the graph.
     plan = {k.replace("feed_forward", "0"): v for k, v in tp_plan().items() if k.startswith("feed_forward")}
-    ffn = parallelize_module(torch.nn.Sequential(FeedForward()), mesh, plan)
+    ffn = parallelize_module(torch.nn.Sequential(FeedForward(DIM, FFN)), mesh, plan)
     graphs = post_grad_graphs(ffn, torch.randn(2, 2, 32, requires_grad=True))  # [B, S/N, H]
     for kind in ("forward", "backward"):
         for r in range(WORLD):
-            graph, sites, _ = rewrite_as(graphs[kind], r, kind, pin_order=False)
+            graph, sites, _ = rewrite_as(graphs[kind], r, kind, pin_order=False, fusion=False)
             assert [(s.pattern, s.decision, s.dim) for s in sites] == [
                 ("all_gather→mm", "rewrite", 1), ("mm→reduce_scatter", "rewrite", 1)
             ], [s.reason for s in sites]
@@ -138,7 +132,7 @@ def test_weight_gather_columns_and_contraction_of_every_rank(world):
     (gather,) = [n for n in graphs["forward"].nodes if "all_gather" in n.name]
     shard = gather.args[0].name
     for r in range(WORLD):
-        graph, sites, _ = rewrite_as(graphs["forward"], r, "forward", pin_order=False)
+        graph, sites, _ = rewrite_as(graphs["forward"], r, "forward", pin_order=False, fusion=False)
         (ag,) = sites
         assert ag.decision == "rewrite", ag.reason
         assert sorted(c.role for c in ag.consumers) == ["columns", "contraction"]

@@ -1,0 +1,250 @@
+"""Compile time of ``backend="commfuse"`` vs Inductor alone, and the share of the commfuse pass.
+
+What is measured. A stack of 1, 2, 4, 8 Llama-style transformer blocks (RMSNorm, attention
+with q/k/v/o projections, SwiGLU feed-forward) under a torchtitan-style tensor + sequence
+parallel plan (per block 2 all-gather → matmul and 2 matmul → reduce-scatter in forward, and
+their mirrors in backward), compiled forward + backward with ``backend="commfuse"``
+(``schedule="ring"`` by default) and with ``backend="inductor"``. Per stack: the total compile
+seconds (the first forward call plus the first backward, each of which compiles its graph; the
+toy sizes make running them negligible), the seconds spent in the commfuse pass (the sum of
+``pass_seconds`` over the commfuse reports of that compile; the backward graph's pass time is
+added to the same report when backward compiles), their ratio, and the number of sites
+rewritten.
+
+How. A single process per (backend, stack) measurement, under a fake process group
+(``dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)``): it traces and
+compiles at any world size with no communication. Every measurement runs in a fresh spawned
+process with its own fresh ``TORCHINDUCTOR_CACHE_DIR``, so neither Inductor's on-disk caches
+nor its in-memory kernel caches are warm; each process first compiles an unrelated one-op
+function (untimed) so one-time costs (lazy imports, the first C++ compiler call) land in
+neither backend's numbers. Serial compiles (``TORCHINDUCTOR_COMPILE_THREADS=1``), so the
+numbers add up on a shared machine; they still depend on machine load, so compare within a run.
+
+Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 4] [--json out.json]``;
+``--quick`` compiles one block only and skips the warm-up compile (a smoke test: its numbers
+include the one-time costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from _common import format_table, machine_info, progress, run_process, write_json
+
+from commfuse_compile.models import Block, tp_plan
+
+# Small dims: compile time hardly depends on them, and they divide by every world size ≤ 8.
+DIM, HEADS, FFN, BATCH, SEQ_PER_RANK = 64, 8, 128, 2, 4
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; return 0 on success (the process exit status)."""
+    args = parse_args(argv)
+    rows = []
+    try:
+        for blocks in args.blocks:
+            row: dict[str, Any] = {"blocks": blocks}
+            for backend in args.backends:
+                progress(f"compiling {blocks} block(s) with backend={backend!r} in a fresh process")
+                row[backend] = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick)
+                progress(f"  {backend}: {row[backend]['total_s']:.1f} s" + _pass_note(row[backend]))
+            rows.append(row)
+    except RuntimeError as err:
+        print(f"compile_time failed: {err}", file=sys.stderr)
+        return 1
+    results = {
+        "benchmark": "compile_time",
+        "machine": machine_info(),
+        "world_size": args.world_size,
+        "schedule": args.schedule,
+        "dims": {"dim": DIM, "heads": HEADS, "ffn": FFN, "batch": BATCH, "seq": SEQ_PER_RANK * args.world_size},
+        "quick": args.quick,
+        "results": rows,
+    }
+    print(render(results))
+    write_json(args.json, results)
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", default=None, help="comma-separated stack sizes (default 1,2,4,8; 1 with --quick)")
+    parser.add_argument("--world-size", type=int, default=4, help="size of the fake process group (default 4)")
+    parser.add_argument("--schedule", default="ring", help="commfuse schedule option (default ring)")
+    parser.add_argument("--backends", default="inductor,commfuse", help="comma-separated subset of inductor,commfuse (default both)")
+    parser.add_argument("--quick", action="store_true", help="one block, no compiler warm-up: a smoke test")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    text = args.blocks or ("1" if args.quick else "1,2,4,8")
+    args.blocks = [int(b) for b in text.split(",") if b.strip()]
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not args.backends or set(args.backends) - {"inductor", "commfuse"}:
+        parser.error("--backends must name inductor and/or commfuse")
+    if any(b < 1 for b in args.blocks):
+        parser.error("--blocks must be positive")
+    n = args.world_size
+    if n < 1 or HEADS % n or FFN % n or DIM % n:
+        parser.error(f"--world-size must divide heads {HEADS}, ffn {FFN} and dim {DIM}")
+    return args
+
+
+def _pass_note(measured: dict[str, Any]) -> str:
+    if "pass_s" not in measured:
+        return ""
+    return f", pass {measured['pass_s']:.2f} s, {measured['rewritten']}/{measured['sites']} sites rewritten"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The results table as printed on stdout."""
+    rows = []
+    for row in results["results"]:
+        ind, cf = row.get("inductor"), row.get("commfuse")
+        rows.append(
+            [
+                row["blocks"],
+                ind and ind["total_s"],
+                cf and cf["total_s"],
+                cf and cf["forward_s"],
+                cf and cf["backward_s"],
+                cf and cf["pass_s"],
+                cf and f"{100 * cf['pass_fraction']:.1f}%",
+                f"{cf['total_s'] / ind['total_s']:.2f}" if cf and ind else None,
+                cf and f"{cf['rewritten']}/{cf['sites']}",
+            ]
+        )
+    head = (
+        f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks, fake process group of {results['world_size']}, "
+        f"commfuse schedule={results['schedule']!r}"
+    )
+    headers = ["blocks", "inductor", "commfuse", "cf fw", "cf bw", "cf pass", "pass/total", "cf/inductor", "rewritten"]
+    return "\n".join([head, format_table(headers, rows)])
+
+
+def measure_in_fresh_process(backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True) -> dict[str, Any]:
+    """Run :func:`measure_compile` in a new process with a new, empty Inductor cache dir."""
+    cache_dir = tempfile.mkdtemp(prefix="commfuse_compile_time_")
+    env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    try:
+        return run_process(measure_compile, (backend, blocks, world_size, schedule, warm_up), env=env)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def measure_compile(backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True) -> dict[str, Any]:
+    """In this (fresh) process: compile ``blocks`` TP blocks fw + bw and time it.
+
+    Returns ``total_s``, ``forward_s``, ``backward_s`` and, for commfuse, ``pass_s``,
+    ``pass_fraction``, ``rewritten`` and ``sites`` (counted over every commfuse report of the
+    compile: a graph break would make more than one). ``pass_s`` comes from the reports'
+    ``pass_seconds``; a commfuse without that field is timed by wrapping its pass instead
+    (``pass_s_source`` says which).
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import commfuse_compile
+
+    torch._inductor.config.compile_threads = 1
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        if warm_up:
+            _warm_up_compiler()
+        timed_pass = _time_the_pass()
+        model = build_stack(blocks, world_size)
+        options = {"options": {"schedule": schedule}} if backend == "commfuse" else {}
+        compiled = torch.compile(model, backend=backend, **options)
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen, requires_grad=True)  # [B, S/N, H]
+        grad = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen)
+        commfuse_compile.clear_reports()
+        start = time.perf_counter()
+        out = compiled(x)
+        middle = time.perf_counter()
+        (out * grad).sum().backward()
+        end = time.perf_counter()
+        measured: dict[str, Any] = {"total_s": end - start, "forward_s": middle - start, "backward_s": end - middle}
+        if backend == "commfuse":
+            measured.update(_pass_summary(commfuse_compile.reports(), measured["total_s"], timed_pass))
+        return measured
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+def _warm_up_compiler() -> None:
+    """One untimed Inductor compile of an unrelated function, and commfuse's lazy imports."""
+    importlib.import_module("commfuse_compile.passes")  # the pass imports it on first use
+
+    torch.compile(lambda t: (t * 2).sin(), backend="inductor")(torch.randn(8))
+
+
+def _time_the_pass() -> list[float]:
+    """Wrap the commfuse pass of this process to add its wall seconds to the returned list.
+
+    A fallback for a commfuse whose reports have no ``pass_seconds``; the wrapper is local to
+    this benchmark process.
+    """
+    from commfuse_compile import backend
+
+    seconds = [0.0]
+    original = backend.CommfusePass.__call__
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - start
+
+    backend.CommfusePass.__call__ = timed
+    return seconds
+
+
+def _pass_summary(reports: list[Any], total_s: float, timed_pass: list[float]) -> dict[str, Any]:
+    from_reports = all(hasattr(r, "pass_seconds") for r in reports) and bool(reports)
+    pass_s = sum(r.pass_seconds for r in reports) if from_reports else timed_pass[0]
+    sites = [s for r in reports for s in r.sites]
+    rewritten = [s for s in sites if s.rewritten]
+    return {
+        "pass_s": pass_s,
+        "pass_fraction": pass_s / total_s,
+        "pass_s_source": "report.pass_seconds" if from_reports else "timed wrapper",
+        "pass_s_timed": timed_pass[0],
+        "rewritten": len(rewritten),
+        "sites": len(sites),
+        "reports": len(reports),
+        "skipped_reasons": sorted({s.reason for s in sites if not s.rewritten}),
+    }
+
+
+# --- the model: Llama-style blocks (commfuse_compile.models) under a TP + SP plan ----------
+
+
+def build_stack(blocks: int, world_size: int) -> nn.Module:
+    """``blocks`` Llama-style blocks in an ``nn.Sequential``, parallelised over all ranks.
+
+    Inside a container so that each block's input hook (Shard(1) → Replicate) is traced into
+    the graph.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    stack = nn.Sequential(*(Block(DIM, HEADS, FFN) for _ in range(blocks)))
+    mesh = init_device_mesh("cpu", (world_size,))
+    plan = {key: style for i in range(blocks) for key, style in tp_plan(f"{i}.").items()}
+    return parallelize_module(stack, mesh, plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""See what the backend would do, in one process, at any world size.
+
+``fake_world(8)`` sets up a fake process group (no communication) so that a sharded model —
+DTensor plans, functional collectives — can be built for 8 ranks on a laptop;
+``explain(model, *inputs)`` then compiles its forward and backward exactly as
+``backend="commfuse"`` would and returns the :class:`~commfuse_compile.report.Report`::
+
+    with commfuse_compile.fake_world(8):
+        model = parallelize_module(Block(), init_device_mesh("cpu", (8,)), plan)
+        report = commfuse_compile.explain(model, torch.randn(2, 512, 1024))
+    print(report.summary())
+    report.to_chrome_trace("steps.json")       # modelled timelines, for Perfetto
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .report import Report, merge_reports, reports
+
+__all__ = ["explain", "fake_world"]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGroup]:
+    """A fake default process group of ``world_size`` ranks, as seen by ``rank``: collectives
+    trace and compile at any size without communicating (their results are garbage, their
+    shapes right). Yields the group; destroys it on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"fake_world: world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"fake_world: rank must be in [0, {world_size}), got {rank!r}")
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a process group is already initialized; call it outside torch.distributed jobs")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def explain(
+    model_or_fn: Callable[..., Any],
+    *example_inputs: Any,
+    options: Mapping[str, Any] | None = None,
+    backward: bool = True,
+) -> Report:
+    """Compile ``model_or_fn`` on ``example_inputs`` as ``backend="commfuse"`` would, forward
+    and (if ``backward`` and an output needs grad) backward, and return what the pass did:
+    every match with its decision, reason and cost estimates, and the rewritten graphs.
+
+    Runs inside :func:`fake_world` (no communication happens); resets Dynamo's caches and
+    bypasses Inductor's, so the pass runs on every graph. Raises ``RuntimeError`` without a
+    fake process group: under a real one, explaining would run the collectives.
+    """
+    from torch._inductor import config as inductor_config
+
+    from .backend import commfuse
+    from .options import CommfuseOptions
+
+    if not dist.is_initialized() or dist.get_backend() != "fake":
+        raise RuntimeError(
+            "commfuse_compile.explain runs without communication: build the model and call it inside "
+            "`with commfuse_compile.fake_world(world_size):`"
+        )
+    CommfuseOptions.from_user(options)  # bad options fail here, naming the option
+    torch._dynamo.reset()
+    seen = len(reports())
+    backend = functools.partial(commfuse, options=options)
+    with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        outputs = torch.compile(model_or_fn, backend=backend)(*example_inputs)
+        grads = [o for o in _tensors(outputs) if o.requires_grad]
+        if backward and grads:
+            sum(o.float().sum() for o in grads).backward()
+    torch._dynamo.reset()
+    return merge_reports(reports()[seen:])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) output, DTensors as their local shards."""
+    flat, _ = torch.utils._pytree.tree_flatten(value)
+    return [t.to_local() if hasattr(t, "to_local") else t for t in flat if isinstance(t, torch.Tensor)]

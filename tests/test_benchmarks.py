@@ -1,0 +1,104 @@
+"""The benchmarks run end to end at smoke sizes and write the JSON their readers expect.
+
+The smoke tests are ``slow`` (each spawns processes and compiles): they check the machinery,
+not the numbers. The sizing and parsing helpers are checked without spawning anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)  # the benchmarks are scripts; spawned ranks inherit sys.path
+
+import compile_time  # noqa: E402
+import peak_memory  # noqa: E402
+import step_time  # noqa: E402
+
+
+def _run(main, argv: list[str], path) -> dict:
+    assert main([*argv, "--json", str(path)]) == 0
+    with open(path) as f:
+        return json.load(f)
+
+
+def _has_machine_info(results: dict) -> None:
+    assert {"cpu_model", "cores", "torch", "date"} <= set(results["machine"])
+
+
+@pytest.mark.slow
+def test_step_time_smoke(tmp_path):
+    # Plain loopback and two of the variants: the namespace and the other four compile the same way.
+    results = _run(step_time.main, ["--quick", "--no-shape", "--rounds", "2", "--variants", "inductor,ring"], tmp_path / "step.json")
+    _has_machine_info(results)
+    assert results["benchmark"] == "step_time" and results["shaped"] is False
+    assert results["world_size"] == 2 and {"S", "H", "F"} <= set(results["sizes"])
+    assert set(results["variants"]) == {"inductor", "ring"}
+    for name, variant in results["variants"].items():
+        assert {"median_ms", "min_ms", "ratio_to_inductor", "saving_fraction", "compile_s", "sites"} <= set(variant)
+        assert len(variant["times_ms"]) == 2 and variant["median_ms"] > 0
+    assert results["variants"]["inductor"]["ratio_to_inductor"] == pytest.approx(1.0)
+    assert any(site["action"] == "rewritten" for site in results["variants"]["ring"]["sites"])
+    parts = results["parts"]
+    assert parts["ideal_ms"] == max(parts["compute_ms"], parts["comm_ms"]) > 0
+
+
+@pytest.mark.slow
+def test_compile_time_smoke(tmp_path):
+    # One block, commfuse only: the Inductor baseline is the same measurement without options.
+    results = _run(compile_time.main, ["--quick", "--backends", "commfuse"], tmp_path / "compile.json")
+    _has_machine_info(results)
+    assert results["benchmark"] == "compile_time"
+    (row,) = results["results"]
+    assert row["blocks"] == 1 and "inductor" not in row
+    measured = row["commfuse"]
+    assert {"total_s", "forward_s", "backward_s", "pass_s", "pass_fraction", "rewritten", "sites"} <= set(measured)
+    assert 0 < measured["pass_s"] < measured["total_s"]
+    assert measured["rewritten"] > 0
+
+
+@pytest.mark.slow
+def test_peak_memory_smoke(tmp_path):
+    results = _run(peak_memory.main, ["--quick", "--schedules", "off,ring"], tmp_path / "memory.json")
+    _has_machine_info(results)
+    assert results["benchmark"] == "peak_memory" and results["world_size"] == 2
+    assert set(results["schedules"]) == {"off", "ring"}
+    for schedule in results["schedules"].values():
+        assert {"peak_increase_rank0", "peak_increase_max", "analytic", "sites"} <= set(schedule)
+        assert len(schedule["ranks"]) == 2 and schedule["peak_increase_max"] >= 0
+    assert results["schedules"]["off"]["sites"][0]["action"] == "skipped"
+    assert results["schedules"]["ring"]["sites"][0]["action"] == "rewritten"
+    assert results["full_product_bytes"] == 512 * 1024 * 4
+
+
+def test_step_time_sizes_meet_the_ratio():
+    sizes = step_time.plan_sizes(2, 50e6, 80e9, compute_ms=400, comm_ratio=0.5)
+    assert sizes["estimated_comm_ms"] / sizes["estimated_compute_ms"] == pytest.approx(0.5, rel=0.1)
+    assert sizes["estimated_compute_ms"] == pytest.approx(400, rel=0.2)
+    assert sizes["S"] % (2 * 32) == 0 and sizes["F"] % (2 * 16) == 0
+
+
+def test_step_time_rate_parsing():
+    assert step_time.rate_bytes_per_second("400mbit") == 50e6
+    assert step_time.rate_bytes_per_second("1gbit") == 125e6
+    assert step_time.rate_bytes_per_second("10mbps") == 10e6
+
+
+def test_peak_memory_model():
+    sizes = {"S": 1024, "K": 8, "H": 256}
+    full = 1024 * 256 * 4
+    assert peak_memory.analytic_bytes("off", sizes, 2, None)["product_held"] == full
+    assert peak_memory.analytic_bytes("ring", sizes, 2, None)["product_held"] == 3 * full // 2
+    assert peak_memory.analytic_bytes("ring", sizes, 2, 4)["product_held"] == 3 * full // 8
+
+
+@pytest.mark.parametrize("module", [step_time, compile_time, peak_memory], ids=lambda m: m.__name__)
+def test_help(module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    assert "--json" in capsys.readouterr().out
