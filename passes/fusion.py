@@ -91,7 +91,9 @@ def _single(node: fx.Node, axis: int | None) -> dict[fx.Node, int | None] | None
 
 
 def _pointwise(target: torch._ops.OpOverload) -> bool:
-    return torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags
+    """Pointwise, and safe to run per piece: not random, not in-place."""
+    tags = target.tags
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and not target._schema.is_mutable
 
 
 def reshape_axis(shape: list[int], axis: int, other: list[int], count: int) -> int | None:
