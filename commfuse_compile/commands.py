@@ -81,7 +81,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .cost_model import Matmul, Workload, candidates, choose, estimate
+    from .cost_model import Matmul, Workload, candidates, choose, estimate, pieces_per_chunk
     from .profiles import resolve_profile
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -92,7 +92,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     work = Workload(args.pattern, args.group_size, (Matmul(args.M, args.K, args.N, "m"),), chunk_bytes, dtype)
     profile = resolve_profile(args.profile)
     vanilla = estimate(work, profile, "vanilla")
-    others = [estimate(work, profile, s, m) for s, m in candidates("auto", None) if args.M % (args.group_size * m * (2 if s == "bidirectional" else 1)) == 0]
+    fits = [(s, m) for s, m in candidates("auto", None) if args.M % (args.group_size * pieces_per_chunk(s, m)) == 0]
+    others = [estimate(work, profile, s, m) for s, m in fits]
     print(f"{args.pattern}: [{args.M}, {args.K}] @ [{args.K}, {args.N}] {args.dtype}, group of {args.group_size}, profile {profile.name}")
     print(f"{'schedule':<20}{'ms':>10}{'exposed comm ms':>17}{'vs vanilla':>12}")
     for e in [vanilla, *others]:

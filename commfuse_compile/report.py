@@ -112,8 +112,7 @@ class Report:
         """Keep a copy of a rewritten graph (a second graph of a kind gets a numbered key)."""
         from commfuse_compile.passes.graph_utils import GraphSnapshot
 
-        key = next(k for k in itertools.chain([kind], (f"{kind}#{i}" for i in itertools.count(1))) if k not in self.graphs)
-        self.graphs[key] = fx.GraphModule(getattr(graph, "owning_module", None) or {}, GraphSnapshot(graph).saved)
+        self.graphs[_free_key(self.graphs, kind)] = fx.GraphModule(getattr(graph, "owning_module", None) or {}, GraphSnapshot(graph).saved)
 
     def summary(self) -> str:
         """A readable table: one row per match, then each match's reason and notes."""
@@ -165,20 +164,20 @@ CompileReport = Report  # the name before inspection existed
 
 
 def _decision(site: SiteRecord) -> str:
-    if site.rewritten and site.schedule:
-        return f"{site.schedule}(m={site.chunks_per_rank})"
-    return "skip"
+    return site.modeled[1].label if site.rewritten and site.modeled else site.decision
 
 
 def _speedup(site: SiteRecord) -> str:
-    if "vanilla" not in site.estimates or len(site.estimates) < 2:
+    """The modelled time of the chosen (or, if skipped, the best) schedule against vanilla."""
+    if not site.modeled:
         return ""
-    label = f"{site.schedule}(m={site.chunks_per_rank})" if site.rewritten else min(
-        (k for k in site.estimates if k != "vanilla"), key=site.estimates.__getitem__
-    )
-    if label not in site.estimates:
-        return ""
-    return f"{label} {site.estimates[label] * 1e3:.3g} ms vs {site.estimates['vanilla'] * 1e3:.3g} ms"
+    vanilla, chosen = site.modeled
+    return f"{chosen.label} {chosen.seconds * 1e3:.3g} ms vs {vanilla.seconds * 1e3:.3g} ms"
+
+
+def _free_key(graphs: dict[str, fx.GraphModule], kind: str) -> str:
+    """``kind``, or ``kind#1``, ``kind#2``, ... if taken (several graphs of one kind)."""
+    return next(k for k in itertools.chain([kind], (f"{kind}#{i}" for i in itertools.count(1))) if k not in graphs)
 
 
 _lock = threading.Lock()
@@ -203,7 +202,7 @@ def merge_reports(parts: list[Report]) -> Report:
         merged.cache_hits += part.cache_hits
         merged.pass_seconds += part.pass_seconds
         for kind, graph in part.graphs.items():
-            merged.graphs[kind if kind not in merged.graphs else f"{kind}#{len(merged.graphs)}"] = graph
+            merged.graphs[_free_key(merged.graphs, kind.split("#")[0])] = graph
     return merged
 
 

@@ -378,15 +378,22 @@ def reserved_nodes(sites: Iterable[Site]) -> set[fx.Node]:
     return nodes
 
 
+def _record(site: Site, region: Region | None) -> Pieces | None:
+    """Note a fused region on its site; the emitter of its pieces (None: nothing fused)."""
+    if region is None:
+        return None
+    site.fused += region.computed
+    attention = " (query-split attention)" if any(n.target is SDPA and a == 2 for n, a in region.axis.items()) else ""
+    site.notes.append(f"fused into the steps{attention}: {region.describe()}")
+    return Pieces(region)
+
+
 class GatherFusion:
     """Flash-AG: the region after the site's row consumers, computed piece by piece."""
 
     def __init__(self, site: Site, count: int, region: Region | None, seeds: list[list[fx.Node]]):
         self.site, self.count, self.seeds = site, count, seeds
-        self.pieces = Pieces(region) if region is not None else None
-        if region is not None:
-            site.fused += region.computed
-            site.notes.append(f"fused into the steps: {region.describe()}")
+        self.pieces = _record(site, region)
 
     @classmethod
     def build(cls, graph: fx.Graph, site: Site, count: int, reserved: set[fx.Node], enabled: bool) -> GatherFusion:
@@ -424,11 +431,7 @@ class ScatterFusion:
 
     def __init__(self, site: Site, count: int, region: Region | None, roots: list[tuple[fx.Node, int] | None]):
         self.site, self.count, self.roots = site, count, roots
-        self.pieces = Pieces(region) if region is not None else None
-        if region is not None:
-            site.fused += region.computed
-            attention = " (query-split attention)" if any(n.target is SDPA and a == 2 for n, a in region.axis.items()) else ""
-            site.notes.append(f"fused into the steps{attention}: {region.describe()}")
+        self.pieces = _record(site, region)
 
     @classmethod
     def build(cls, site: Site, count: int, reserved: set[fx.Node], enabled: bool) -> ScatterFusion:
