@@ -213,18 +213,21 @@ def forward_region(graph: fx.Graph, site: Site, given: dict[fx.Node, int], count
     return _trimmed(Region(axis, count, frozenset(given)), downstream=True) if len(axis) > len(given) else None
 
 
-def backward_region(roots: dict[fx.Node, int], count: int, reserved: set[fx.Node], read_whole: Iterable[fx.Node]) -> Region | None:
+def backward_region(
+    roots: dict[fx.Node, int], count: int, reserved: set[fx.Node], read_whole: Iterable[fx.Node], notes: list[str]
+) -> Region | None:
     """The row-local ops producing a Flash-RS site's matmul operands (``roots``, with the axis
     their pieces are cut along), or None if there is nothing to compute there or it would form
-    a cycle (a value assembled after the ring feeding the ring). ``read_whole``: the other
-    inputs of the ring's matmuls."""
+    a cycle (a value assembled after the ring feeding the ring; said in ``notes``).
+    ``read_whole``: the other inputs of the ring's matmuls."""
     axis: dict[fx.Node, int] = {}
     stack = list(roots.items())
     while stack:
         node, along = stack.pop()
         if node in axis:
             if axis[node] != along:
-                return None  # needed cut two ways: leave it as is
+                notes.append(f"not fused: {node.name} would be cut along two dims")
+                return None
             continue
         cut = input_axes(node, along, count) if node.op == "call_function" and node not in reserved else None
         if cut is None:
@@ -237,7 +240,8 @@ def backward_region(roots: dict[fx.Node, int], count: int, reserved: set[fx.Node
     if region is None or any(u.target is not operator.getitem for n in region.axis if n.target is SDPA for u in n.users):
         return None
     outside = {i for n in region.axis for i in n.all_input_nodes if i not in region.axis} | set(read_whole)
-    if set(region.axis) & _ancestors(outside):
+    if cycle := set(region.axis) & _ancestors(outside):
+        notes.append(f"not fused: {min(n.name for n in cycle)} is also needed whole before the ring")
         return None
     return region
 
@@ -448,7 +452,7 @@ class ScatterFusion:
         read_whole = [right_operand(t.mm) for t in site.consumers]
         read_whole += [t.mm.args[0] for t in site.consumers if t.mm.target is ADDMM and t.role != "product"]
         given = dict(r for r in roots if r is not None)
-        region = backward_region(given, count, reserved, read_whole) if enabled and given else None
+        region = backward_region(given, count, reserved, read_whole, site.notes) if enabled and given else None
         return cls(site, count, region, roots)
 
     def rows(self, emit: Emitter, t: int, pieces: list[int]) -> fx.Node:

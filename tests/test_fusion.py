@@ -149,3 +149,4 @@ def test_no_fusion_where_the_ring_would_feed_itself(world):
     kind, graph = next(iter(graphs.items()))
     _, (site,), _ = rewrite_as(graph, 0, kind)
     assert site.decision == "rewrite" and not site.fused, (site.reason, site.notes)
+    assert any(note.startswith("not fused: relu") for note in site.notes), site.notes
