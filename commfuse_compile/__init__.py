@@ -9,6 +9,7 @@ any world size in one process.
 
 from . import p2p  # noqa: F401  (registers torch.ops.commfuse.ring_exchange)
 from .options import CommfuseOptions
+from .plan_check import PlanMismatchError
 from .explain import explain, fake_world
 from .report import CompileReport, Report, SiteRecord, StepRecord, clear_reports, last_report, reports
 
@@ -27,6 +28,7 @@ def __getattr__(name: str):
 __all__ = [
     "CommfuseOptions",
     "CompileReport",
+    "PlanMismatchError",
     "Report",
     "SiteRecord",
     "StepRecord",

@@ -31,11 +31,13 @@ __all__ = ["CommfusePass", "commfuse"]
 
 
 class CommfusePass(CustomInferenceAwareGraphPass):
-    """Inductor post-grad pass running match → plan → rewrite → order → report.
+    """Inductor post-grad pass running match → plan → rewrite → order → check → report.
 
-    Cache-safe: ``uuid()`` covers the package's source, the options, and this process's rank —
-    the rewritten graph bakes in the rank (chunk order, ring peers), so a graph compiled on
-    rank 0 must never be served to rank 1 from a shared Inductor cache.
+    Cache-safe: ``uuid()`` covers the package's source, the options, this process's rank and
+    the layout of every process group it belongs to (name, its index there, the members). The
+    rewritten graph bakes in the rank's index within the group and its ring peers, and group
+    names are counters (``new_group`` calls), so the same name can mean other members in
+    another run: such code must never be served from a shared Inductor cache.
     """
 
     def __init__(self, options: CommfuseOptions, report: Report):
@@ -64,9 +66,24 @@ class CommfusePass(CustomInferenceAwareGraphPass):
             self.report.pass_seconds += time.perf_counter() - started
 
     def uuid(self) -> str:
-        rank = f"rank={dist.get_rank()}/{dist.get_world_size()}" if dist.is_initialized() else "rank=-"
-        key = f"{self.options.cache_key()};{rank};torch={torch.__version__}"
+        key = f"{self.options.cache_key()};{group_layout()};torch={torch.__version__}"
         return hashlib.sha256(_source_hash() + key.encode()).hexdigest()
+
+
+def group_layout() -> str:
+    """This rank and every process group it belongs to: the group's name, this rank's index in
+    it and its members (global ranks, in group order) — what the emitted rings depend on."""
+    if not dist.is_initialized():
+        return "rank=-"
+    from torch.distributed.distributed_c10d import _world
+
+    me = dist.get_rank()
+    groups = []
+    for group, ranks in _world.pg_group_ranks.items():
+        if me in ranks:
+            members = sorted(ranks, key=ranks.__getitem__)
+            groups.append(f"{_world.pg_names.get(group)}:{ranks[me]}:{members}")
+    return f"rank={me}/{dist.get_world_size()};groups=" + ";".join(sorted(groups))
 
 
 @functools.cache
@@ -83,6 +100,7 @@ def commfuse(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable[..., Any]:
     """Compile ``gm`` with Inductor, rewriting collectives + matmuls into CommFuse rings.
 
@@ -91,16 +109,20 @@ def commfuse(
         example_inputs: its example inputs.
         options: see :class:`~commfuse_compile.options.CommfuseOptions`; unknown keys or bad
             values raise ``ValueError`` naming the valid keys.
+        mode: ``torch.compile(..., mode=...)``: Inductor's options of that mode are applied
+            (``"reduce-overhead"``: CUDA graphs; ``"max-autotune"``: autotuned kernels and CUDA
+            graphs; ``"max-autotune-no-cudagraphs"``). torch.compile passes ``mode`` or
+            ``options``, never both: with commfuse options, give ``options={"mode": ...}``.
     """
     from torch._inductor.compile_fx import compile_fx
 
-    opts = CommfuseOptions.from_user(options)
+    opts = CommfuseOptions.from_user(_with_mode(options, mode))
     report = new_report({k: getattr(opts, k) for k in opts.valid_keys()})
     hits_before = _cache_hits()
     compiled = compile_fx(
         gm,
         example_inputs,
-        config_patches={"post_grad_custom_post_pass": CommfusePass(opts, report)},
+        config_patches={**opts.inductor_config(), "post_grad_custom_post_pass": CommfusePass(opts, report)},
     )
     report.cache_hits = _cache_hits() - hits_before
     if report.cache_hits:
@@ -122,6 +144,20 @@ def commfuse(
             reasons,
         )
     return compiled
+
+
+def _with_mode(options: Mapping[str, Any] | CommfuseOptions | None, mode: str | None) -> Any:
+    """``options`` with torch.compile's ``mode`` folded in (refusing two different modes)."""
+    if mode is None:
+        return options
+    if isinstance(options, CommfuseOptions):
+        options = options.as_dict()
+    if options is not None and not isinstance(options, Mapping):
+        return options  # from_user names the type error
+    merged = dict(options or {})
+    if merged.setdefault("mode", mode) != mode:
+        raise ValueError(f"commfuse: mode={mode!r} and options={{'mode': {merged['mode']!r}}} disagree; give one of them")
+    return merged
 
 
 def _cache_hits() -> int:

@@ -1,7 +1,8 @@
 """Cost model: the modelled time of each schedule for one match, and ``auto``'s choice.
 
 A match is described by a :class:`Workload` — its matmuls, which of their dims the chunks cut,
-and the bytes of one rank's chunk — built from shapes, dtype and group size only, so every rank
+and the bytes of one rank's chunk — built from what every rank of the group shares (the
+collective's shape and dtype, the group size; ``passes.plan.shared_matmul``), so every rank
 of a group computes the same estimates and makes the same choice. Each schedule is laid out on
 a :class:`~commfuse_compile.simulator.Timeline` the way the rewrite emits it (same steps, same
 dependencies, including the pinned order) and timed on a

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 SCHEDULES = ("auto", "ring", "bidirectional", "slicing", "off")
 PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter")
+# torch.compile's modes as Inductor defines them (torch._inductor.list_mode_options), less
+# "lite": it turns Inductor's post-grad passes off, and the commfuse pass is one of them.
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,9 @@ class CommfuseOptions:
             which keeps results exact but removes the overlap.
         strict: if the pass raises on a graph, re-raise instead of warning and compiling that
             graph unrewritten.
+        mode: the torch.compile mode for Inductor (:data:`MODES`), applied as
+            ``torch.compile(..., mode=...)`` applies it to Inductor. ``torch.compile`` refuses
+            ``mode`` and ``options`` together, so with commfuse options give it here.
     """
 
     schedule: str = "auto"
@@ -53,6 +60,10 @@ class CommfuseOptions:
     fusion: bool = True
     pin_order: bool = True
     strict: bool = False
+    mode: str = "default"
+
+    def __post_init__(self) -> None:
+        self._check()
 
     @classmethod
     def from_user(cls, options: Mapping[str, Any] | CommfuseOptions | None) -> CommfuseOptions:
@@ -75,9 +86,7 @@ class CommfuseOptions:
         for key in ("flash_ag", "flash_rs", "fusion", "pin_order", "strict"):
             if key in options and not isinstance(options[key], bool):
                 raise ValueError(f"commfuse option {key!r} must be True or False, got {options[key]!r}")
-        made = cls(**options)
-        made._check()
-        return made
+        return cls(**options)
 
     def _check(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -92,8 +101,11 @@ class CommfuseOptions:
         if unknown:
             raise ValueError(f"commfuse option 'min_speedup': unknown pattern(s) {unknown}; valid: {', '.join(PATTERN_KINDS)}")
         for kind, value in speedups.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"commfuse option 'min_speedup' for {kind} must be a number > 0, got {value!r}")
+            if not is_positive_number(value):
+                raise ValueError(f"commfuse option 'min_speedup' for {kind} must be a finite number > 0, got {value!r}")
+        if self.mode not in MODES:
+            lite = " ('lite' turns off Inductor's post-grad passes, where commfuse runs)" if self.mode == "lite" else ""
+            raise ValueError(f"commfuse option 'mode' must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}{lite}")
         from .profiles import resolve_profile
 
         if self.profile is not None:
@@ -105,6 +117,12 @@ class CommfuseOptions:
             return float(self.min_speedup.get(kind, 1.0))
         return float(self.min_speedup)
 
+    def inductor_config(self) -> dict[str, Any]:
+        """The Inductor config patches of ``mode``, as torch.compile applies them to Inductor."""
+        from torch._inductor import list_mode_options
+
+        return dict(list_mode_options(self.mode))
+
     @classmethod
     def valid_keys(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -115,3 +133,8 @@ class CommfuseOptions:
     def cache_key(self) -> str:
         """A stable string covering every option (part of the Inductor cache key)."""
         return json.dumps(self.as_dict(), sort_keys=True, default=repr)
+
+
+def is_positive_number(value: Any) -> bool:
+    """A finite int or float > 0 (not a bool: ``True`` is an int to Python, not a number here)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0

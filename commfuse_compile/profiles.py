@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .options import is_positive_number
+
 
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
@@ -48,6 +50,10 @@ class HardwareProfile:
     duplex: bool = True
     overlap_slowdown: float = 1.0
 
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_field(field.name, getattr(self, field.name))
+
     def peak_flops(self, dtype: torch.dtype) -> float:
         return self.flops_16bit if dtype in (torch.bfloat16, torch.float16) else self.flops_32bit
 
@@ -60,6 +66,27 @@ class HardwareProfile:
     def transfer_seconds(self, nbytes: float) -> float:
         """Modelled time of one point-to-point message of ``nbytes`` to a neighbour."""
         return self.link_latency + nbytes / self.link_bandwidth
+
+
+# Fields that may be 0 (an idealised profile: no latency, no per-matmul cost, full efficiency
+# at any size); every other number must be > 0, and overlap_slowdown >= 1.
+ZERO_ALLOWED = ("link_latency", "matmul_overhead", "half_efficiency_dim")
+
+
+def _check_field(key: str, value: Any) -> None:
+    """Raise ``ValueError`` naming the field unless ``value`` is valid for it."""
+    if key in ("name", "source"):
+        if not isinstance(value, str):
+            raise ValueError(f"commfuse option 'profile': field {key!r} must be a string, got {value!r}")
+        return
+    if key == "duplex":
+        if not isinstance(value, bool):  # ("no" would read as True)
+            raise ValueError(f"commfuse option 'profile': field 'duplex' must be True or False, got {value!r}")
+        return
+    zero_ok = key in ZERO_ALLOWED and not isinstance(value, bool) and value == 0
+    if not (is_positive_number(value) or zero_ok) or (key == "overlap_slowdown" and value < 1):
+        floor = ">= 0" if key in ZERO_ALLOWED else ">= 1" if key == "overlap_slowdown" else "> 0"
+        raise ValueError(f"commfuse option 'profile': field {key!r} must be a finite number {floor}, got {value!r}")
 
 
 _ASSUMED = "latency, efficiency curve and overlap slowdown are assumptions, not measurements"
@@ -149,10 +176,9 @@ def resolve_profile(profile: str | Mapping[str, Any] | HardwareProfile | None, d
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ValueError(f"commfuse option 'profile': unknown field(s) {unknown}; valid: base, {', '.join(sorted(fields))}")
-    for key, value in values.items():
-        if key not in ("name", "source", "duplex") and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-            raise ValueError(f"commfuse option 'profile': field {key!r} must be a number > 0, got {value!r}")
     if base is not None:
+        if not isinstance(base, str):
+            raise ValueError(f"commfuse option 'profile': 'base' must be a built-in profile name ({', '.join(names())}), got {base!r}")
         return dataclasses.replace(resolve_profile(base), **{"name": f"{base}+custom", **values})
     missing = sorted(fields - set(values) - {"source", "duplex", "overlap_slowdown", "name"})
     if missing:

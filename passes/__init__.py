@@ -2,7 +2,7 @@
 
 One stage per module, one data type (:class:`~commfuse_compile.passes.site.Site`) between them:
 
-    match → plan → rewrite → order → report
+    match → plan → rewrite → order → check → report
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from commfuse_compile._compat import resolve_process_group, stable_topological_s
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.report import Report
 
+from .check import insert_plan_checks, plan_of
 from .fusion import Fuse, reserved_nodes
 from .graph_utils import GraphSnapshot
 from .match import find_sites
@@ -57,6 +58,7 @@ def run_pipeline(
     snapshot = GraphSnapshot(graph)
     try:
         sites = [plan_site(site, options) for site in find_sites(graph, kind)]
+        plans = [plan_of(site) for site in sites]  # (before the rewrite erases the collectives)
         tags = itertools.count(1)  # same sites in the same order on every rank: tags match
         fuse = Fuse(options.fusion, reserved_nodes(sites))
         for site in sites:
@@ -69,6 +71,7 @@ def run_pipeline(
         if options.pin_order:
             pin_ring_order(graph, sites)
             stable_topological_sort(graph)  # control deps are inputs now: sort by them too
+        insert_plan_checks(graph, sites, plans, options, kind)
         graph.lint()
     except Exception:
         snapshot.restore(graph)

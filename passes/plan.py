@@ -1,8 +1,9 @@
 """Stage 2 — plan: decide for each matched Site whether and how to rewrite it.
 
-The decision reads only shapes, dtypes, the group size and the options — never the rank or
-timing — so every rank of a group makes the same decision and issues the same ring (a
-rank-dependent plan would deadlock it). With ``schedule="auto"`` the cost model times vanilla,
+The decision reads only what every rank of the group shares — the shape and dtype of the
+collective's tensor, the group size, the options; never the rank, timing or a dim only this
+rank's operand has (see :func:`shared_matmul`) — so every rank of a group makes the same
+decision and issues the same ring (a rank-dependent plan would deadlock it). With ``schedule="auto"`` the cost model times vanilla,
 slicing, ring and bidirectional (a few m each) on the profile and keeps the fastest, or leaves
 the match alone when nothing beats vanilla; its estimates go into the record either way.
 """
@@ -15,7 +16,7 @@ from commfuse_compile.cost_model import Matmul, Workload, candidates, choose, es
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.profiles import resolve_profile
 
-from .graph_utils import ADDMM, fake, left_operand, right_operand, static_shape
+from .graph_utils import ADDMM, fake, left_operand, static_shape
 from .site import SYMBOLIC_SIZES, Site
 
 KIND = {"all_gather→mm": "all_gather_matmul", "mm→reduce_scatter": "matmul_reduce_scatter"}
@@ -108,15 +109,34 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions) ->
 
 
 def _workload(site: Site) -> Workload:
-    """The site's matmuls and per-rank chunk bytes, for the cost model (shapes only)."""
-    split = {"rows": "m", "columns": "n", "contraction": "k", "product": "m"}
-    matmuls = []
-    for c in site.consumers:
-        (m, k), (_, n) = static_shape(left_operand(c.mm)), static_shape(right_operand(c.mm))
-        matmuls.append(Matmul(m, k, n, split[c.role]))
+    """The site's matmuls and per-rank chunk bytes, for the cost model, from what every rank of
+    the group shares (see :func:`shared_matmul`)."""
     moved = site.collective.args[0] if site.pattern == "all_gather→mm" else site.wait
     value = fake(moved)
-    return Workload(KIND[site.pattern], site.group_size, tuple(matmuls), value.numel() * value.element_size(), fake(site.consumers[0].mm).dtype)
+    matmuls = tuple(shared_matmul(site, c) for c in site.consumers)
+    return Workload(KIND[site.pattern], site.group_size, matmuls, value.numel() * value.element_size(), fake(site.consumers[0].mm).dtype)
+
+
+def shared_matmul(site: Site, consumer) -> Matmul:
+    """A consumer matmul ``[m, k] @ [k, n]`` as the cost model sees it, in dims every rank of
+    the group has alike.
+
+    The gathered / scattered tensor has one shape on every rank (the collective needs it), so
+    the matmul dims it fixes are exact. The matmul's other operand has one dim of its own — a
+    column-sharded weight's width, a row-sharded weight's height, an activation's rows — and
+    with uneven shards (an FFN of 153 over 2 ranks: 77 and 76) that dim differs between ranks.
+    A plan that read it could choose a different schedule on each rank and deadlock the ring,
+    so it is modelled as the tensor's width (the other operand as if square there).
+    """
+    if site.pattern == "mm→reduce_scatter":  # A[rows, k] @ B[k, width], summed into the scattered rows
+        rows, width = static_shape(consumer.mm)
+        return Matmul(rows, width, width, "m")
+    rows, width = static_shape(consumer.view or site.tensor)  # the gathered tensor as the matmul reads it
+    if consumer.role == "rows":  # G[rows, width] @ W[width, n]
+        return Matmul(rows, width, width, "m")
+    if consumer.role == "columns":  # X[m, width] @ G^T[width, rows]
+        return Matmul(width, width, rows, "n")
+    return Matmul(width, rows, width, "k")  # contraction: G^T[width, rows] @ dY[rows, n], or A[m, rows] @ G
 
 
 def _matmul_problem(matmul) -> str | None:

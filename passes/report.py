@@ -1,4 +1,4 @@
-"""Stage 5 — report: turn each Site into a SiteRecord, log it and add it to the compile report."""
+"""Stage 6 — report: turn each Site into a SiteRecord, log it and add it to the compile report."""
 
 from __future__ import annotations
 

@@ -126,3 +126,81 @@ def test_pass_failure_raises_in_strict_mode(world, monkeypatch):
 def test_missing_private_api_names_torch_version():
     message = str(_missing("torch._inductor.some_api", ImportError("gone")))
     assert torch.__version__ in message and "torch._inductor.some_api" in message and "2.13" in message
+
+
+def test_cache_key_covers_the_group_layout(world, monkeypatch):
+    """The rings bake in the rank's index in its group and the group's size; a group name (a
+    counter of new_group calls) can mean other members in another run."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    def key() -> str:
+        return CommfusePass(CommfuseOptions(), new_report({})).uuid()
+
+    before = key()
+    group = dist.new_group([0, 1])  # this is rank 1 of 2: index 1 in the group
+    with_group = key()
+    assert with_group != before
+    monkeypatch.setitem(_world.pg_group_ranks, group, {1: 0, 2: 1})  # same name: rank 1 is index 0 of [1, 2]
+    assert key() != with_group
+    monkeypatch.setitem(_world.pg_group_ranks, group, {0: 0, 1: 1})
+    assert key() == with_group
+
+
+def test_mode_applies_inductor_options(world, monkeypatch):
+    """torch.compile(mode=...) reaches the backend as ``mode`` (it passes mode or options,
+    never both): Inductor's options of the mode are applied, as Inductor applies them."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+
+    def capture(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", capture)
+    f, inputs = gather_matmul(world), (torch.randn(4, 8), torch.randn(8, 4))
+    for mode, expected in [
+        ("max-autotune-no-cudagraphs", {"max_autotune": True, "coordinate_descent_tuning": True}),
+        ("max-autotune", {"max_autotune": True, "coordinate_descent_tuning": True, "triton.cudagraphs": True}),
+        ("reduce-overhead", {"triton.cudagraphs": True}),
+        (None, {}),
+    ]:
+        torch._dynamo.reset()
+        torch.compile(f, backend="commfuse", mode=mode)(*inputs)
+        patches = dict(seen[-1])
+        assert isinstance(patches.pop("post_grad_custom_post_pass"), CommfusePass)
+        assert patches == expected, mode
+        assert commfuse_compile.last_report().options["mode"] == (mode or "default")
+    torch._dynamo.reset()
+    torch.compile(f, backend="commfuse", options={"mode": "max-autotune", "schedule": "ring"})(*inputs)
+    assert seen[-1]["max_autotune"] is True
+
+
+def test_mode_errors_name_the_mode():
+    from commfuse_compile.backend import commfuse
+
+    with pytest.raises(ValueError, match="'mode' must be one of .*got 'lite' \\('lite' turns off"):
+        commfuse(None, [], mode="lite")
+    with pytest.raises(ValueError, match="mode='max-autotune' and options=\\{'mode': 'default'\\} disagree"):
+        commfuse(None, [], options={"mode": "default"}, mode="max-autotune")
+
+
+def test_plan_comparison_names_options_and_matches():
+    from commfuse_compile.plan_check import compare_plans
+
+    def plan(schedule, strict=False, decision="rewrite"):
+        site = dict(kind="all_gather_matmul", input=[256, 256], dtype="float32", decision=decision, schedule=schedule, chunks_per_rank=1)
+        return dict(token="t", graph="backward", sites=[site], options={"schedule": schedule, "strict": strict})
+
+    problem, harmless = compare_plans([plan("ring"), plan("ring"), plan("bidirectional")], [4, 5, 6])
+    assert "planned the backward graph differently" in problem and not harmless
+    assert "match #0 is all_gather_matmul of input [256, 256] (float32), ring(m=1) on rank 4 and" in problem
+    assert "bidirectional(m=1) on rank 6" in problem
+    assert "'schedule' is 'ring' on rank 4, 'ring' on rank 5, 'bidirectional' on rank 6" in problem
+    same_options = plan("ring")
+    same_options["sites"][0]["decision"] = "skip"
+    problem, _ = compare_plans([plan("ring"), same_options], [0, 1])
+    assert "left alone on rank 1" in problem and "Their options are the same" in problem
+    assert compare_plans([plan("ring"), plan("ring", strict=True)], [0, 1]) == ("", "their options differ: 'strict' is False on rank 0, True on rank 1")
+    assert compare_plans([plan("ring"), plan("ring")], [0, 1]) == ("", "")

@@ -103,18 +103,46 @@ def test_candidates():
         ({"chunks_per_rank": 2.5}, "'chunks_per_rank' must be an int >= 1"),
         ({"chunks_per_rank": True}, "'chunks_per_rank' must be an int >= 1"),
         ({"schedule": "off", "chunks_per_rank": 2}, "'chunks_per_rank' has no effect with schedule='off'"),
-        ({"min_speedup": 0}, "'min_speedup' for all_gather_matmul must be a number > 0"),
+        ({"min_speedup": 0}, "'min_speedup' for all_gather_matmul must be a finite number > 0"),
+        ({"min_speedup": float("nan")}, "'min_speedup' for all_gather_matmul must be a finite number > 0, got nan"),
+        ({"min_speedup": float("inf")}, "'min_speedup' for all_gather_matmul must be a finite number > 0, got inf"),
+        ({"min_speedup": {"matmul_reduce_scatter": float("nan")}}, "'min_speedup' for matmul_reduce_scatter must be a finite"),
         ({"min_speedup": {"all_gather": 2}}, "'min_speedup': unknown pattern"),
         ({"profile": "tpu"}, "'profile': unknown profile 'tpu'; built-in: a100-nvlink, cpu-gloo"),
         ({"profile": {"base": "h100-nvlink", "bandwidth": 1}}, "'profile': unknown field.*'bandwidth'"),
-        ({"profile": {"base": "h100-nvlink", "link_bandwidth": -1}}, "'profile': field 'link_bandwidth' must be a number > 0"),
+        ({"profile": {"base": "h100-nvlink", "link_bandwidth": -1}}, "'profile': field 'link_bandwidth' must be a finite number > 0"),
+        ({"profile": {"base": "h100-nvlink", "link_bandwidth": float("nan")}}, "field 'link_bandwidth' must be a finite number > 0, got nan"),
+        ({"profile": {"base": "h100-nvlink", "link_bandwidth": float("inf")}}, "field 'link_bandwidth' must be a finite number > 0, got inf"),
+        ({"profile": {"base": "h100-nvlink", "flops_16bit": float("nan")}}, "field 'flops_16bit' must be a finite number > 0"),
+        ({"profile": {"base": "h100-nvlink", "link_latency": float("nan")}}, "field 'link_latency' must be a finite number >= 0"),
+        ({"profile": {"base": "h100-nvlink", "link_latency": -1e-6}}, "field 'link_latency' must be a finite number >= 0"),
+        ({"profile": {"base": "h100-nvlink", "overlap_slowdown": 0.5}}, "field 'overlap_slowdown' must be a finite number >= 1"),
+        ({"profile": {"base": "h100-nvlink", "duplex": "no"}}, "field 'duplex' must be True or False, got 'no'"),
+        ({"profile": {"base": "h100-nvlink", "duplex": 1}}, "field 'duplex' must be True or False"),
+        ({"profile": {"base": "h100-nvlink", "name": 7}}, "field 'name' must be a string"),
+        ({"profile": {"base": 5}}, "'base' must be a built-in profile name"),
         ({"profile": {"flops_16bit": 1e12}}, "'profile': missing field"),
         ({"profile": 3}, "'profile' must be a profile name or a dict"),
+        ({"mode": "fast"}, "'mode' must be one of 'default', 'reduce-overhead', 'max-autotune'"),
+        ({"mode": "lite"}, "'lite' turns off Inductor's post-grad passes"),
     ],
 )
 def test_invalid_options_name_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         CommfuseOptions.from_user(options)
+
+
+def test_options_built_directly_are_checked_too():
+    with pytest.raises(ValueError, match="'min_speedup' for all_gather_matmul must be a finite number"):
+        CommfuseOptions(min_speedup=float("nan"))
+    with pytest.raises(ValueError, match="field 'link_bandwidth' must be a finite number > 0"):
+        HardwareProfile(**{**vars(BUILTIN["h100-nvlink"]), "link_bandwidth": float("inf")})
+
+
+def test_idealised_profile_fields_may_be_zero():
+    p = resolve_profile({"base": "h100-nvlink", "link_latency": 0, "matmul_overhead": 0.0, "half_efficiency_dim": 0})
+    assert (p.link_latency, p.matmul_overhead, p.half_efficiency_dim) == (0, 0.0, 0)
+    assert resolve_profile({"base": "h100-nvlink", "duplex": False}).duplex is False
 
 
 def test_profile_dict_overrides_a_builtin():
@@ -192,3 +220,47 @@ def test_chunks_per_rank_that_does_not_divide_is_a_recorded_skip(world):
     graph = mlp_graphs(8, 16, 32)["forward"]  # 8 rows over 4 ranks: 2 per rank
     sites = plan_as(graph, "forward", 0, schedule="ring", chunks_per_rank=3)
     assert all(s.decision == "skip" and "chunks_per_rank=3" in s.reason for s in sites)
+
+
+# ---- uneven shards: the plan reads only what every rank of the group shares ---------------------
+
+
+def uneven_mlp_graphs(ffn_shard: int):
+    """The MLP as the rank holding ``ffn_shard`` columns of W1 (rows of W2) traces it: an FFN
+    of 153 over 4 ranks is 39, 38, 38, 38 (torch.tensor_split); everything else is alike."""
+    return mlp_graphs(2048, 1024, ffn_shard)
+
+
+@pytest.mark.parametrize("profile", ["cpu-gloo", "l40s-pcie", "h100-nvlink"])
+def test_uneven_shards_get_the_same_plan_on_every_rank(world, profile):
+    """With uneven shards the ranks' matmuls differ in one dim; a plan that read it chose
+    bidirectional on one rank and ring on another (and the run aborted in gloo)."""
+    by_shard = {ffn: uneven_mlp_graphs(ffn) for ffn in (39, 38)}
+    for kind in ("forward", "backward"):
+        plans = {
+            ffn: [(s.pattern, s.decision, s.schedule, s.chunks_per_rank, s.estimates) for s in plan_as(graphs[kind], kind, rank, profile=profile)]
+            for (ffn, graphs), rank in zip(by_shard.items(), (0, 3))
+        }
+        assert plans[39] == plans[38], (kind, plans)
+        assert plans[39] and all(estimates for *_, estimates in plans[39])
+
+
+def test_plan_check_payload_is_the_same_on_every_rank(world):
+    """The plan the ranks compare at the first call (``check_plan``) leaves out what differs
+    between ranks when nothing is wrong (local shapes, the rank itself)."""
+    import json
+
+    payloads = []
+    for ffn, rank in ((39, 0), (38, 3)):
+        graph = copy_graph(uneven_mlp_graphs(ffn)["forward"])
+        run_pipeline(graph, CommfuseOptions(schedule="ring"), "forward", new_report({}), rank_of=lambda _: rank)
+        (check,) = [n for n in graph.nodes if n.target is torch.ops.commfuse.check_plan.default]
+        assert next(n for n in graph.nodes if n.op != "placeholder") is check  # first, before any ring step
+        plan = json.loads(check.args[0])
+        assert check.args[1] == world.group_name and len(plan.pop("token")) == 32
+        payloads.append(plan)
+    assert payloads[0] == payloads[1]
+    assert [(s["kind"], s["decision"], s["schedule"]) for s in payloads[0]["sites"]] == [
+        ("all_gather_matmul", "rewrite", "ring"),
+        ("matmul_reduce_scatter", "rewrite", "ring"),
+    ]
