@@ -81,8 +81,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .cost_model import Matmul, Workload, candidates, choose, estimate, pieces_per_chunk
+    from .cost_model import Matmul, Workload, candidates, choose, estimate
     from .profiles import resolve_profile
+    from .schedules import pieces_per_chunk
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if args.M % args.group_size:

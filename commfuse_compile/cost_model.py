@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from .profiles import HardwareProfile
+from .schedules import flash_ag_steps, flash_rs_steps, pieces_per_chunk
 from .simulator import Timeline
 
 COMPUTE, COLLECTIVE = "compute", "collective"
@@ -105,55 +106,43 @@ def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> N
             t.add(f"reduce_scatter[{s}]", COLLECTIVE, comm, (t.add(f"matmul[{s}]", COMPUTE, compute),))
 
 
-def ring_substeps(schedule: str, m: int) -> list[list[tuple[int, int]]]:
-    """The sub-steps of one ring step, as the rewrite emits them: the (piece, direction) pairs
-    that move together. One-way: m pieces, one per sub-step. Bidirectional: 2m pieces; sub-step
-    s moves piece s to r+1 and piece m+s to r-1."""
-    if schedule == "bidirectional":
-        return [[(s, +1), (m + s, -1)] for s in range(m)]
-    return [[(s, +1)] for s in range(m)]
-
-
-def pieces_per_chunk(schedule: str, m: int) -> int:
-    """How many pieces each rank's chunk is cut into (slicing: m slices)."""
-    return 2 * m if schedule == "bidirectional" else m
-
-
 def _ring(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    _ring_steps(t, work, profile, ring_substeps("ring", m))
+    _ring_steps(t, work, profile, "ring", m)
 
 
 def _bidirectional(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    _ring_steps(t, work, profile, ring_substeps("bidirectional", m))
+    _ring_steps(t, work, profile, "bidirectional", m)
 
 
-def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, substeps: list[list[tuple[int, int]]]) -> None:
-    """Flash-AG / Flash-RS as the rewrite emits them: each (piece, direction) of a rank's chunk
-    travels its own way round the ring, one hop per step."""
-    streams = [stream for sub in substeps for stream in sub]
-    n, pieces, slow = work.group_size, len(streams), profile.overlap_slowdown
-    compute = _compute(work, profile, n * pieces, slow)
-    transfer = slow * profile.transfer_seconds(work.chunk_bytes / pieces)
+def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, schedule: str, m: int) -> None:
+    """Flash-AG / Flash-RS exactly as the rewrite emits them (:mod:`.schedules`; the steps of
+    rank 0 — every rank's have the same shape): each stream of a rank's chunk travels its own
+    way round the ring, one hop per step."""
+    n, slow = work.group_size, profile.overlap_slowdown
+    per_chunk = pieces_per_chunk(schedule, m)
+    compute = _compute(work, profile, n * per_chunk, slow)
+    transfer = slow * profile.transfer_seconds(work.chunk_bytes / per_chunk)
+    gather = work.kind == "all_gather_matmul"
 
     def link(direction: int) -> str:  # with 2 ranks both directions reach the same peer
         return "link+" if direction > 0 or n == 2 or not profile.duplex else "link-"
 
-    arrived = {piece: None for piece, _ in streams}  # transfer event that brought the piece
-    computed = {piece: None for piece, _ in streams}
-    for step in range(n):
-        for piece, direction in streams:
-            name = f"[{step}.{piece}]"
-            if work.kind == "all_gather_matmul":
+    arrived: dict[int, int | None] = {}  # stream -> transfer event that brought its piece / partial
+    computed: dict[int, int] = {}
+    steps = (flash_ag_steps if gather else flash_rs_steps)(n, 0, schedule, m)
+    for k, step in enumerate(steps):
+        for move in (move for sub in step for move in sub):
+            name, p = f"[{k}.{move.stream}]", move.stream
+            if gather:
                 # start reads the piece received last step, whose wait is pinned after that step's matmul
-                send = (t.add("send" + name, link(direction), transfer, (arrived[piece], computed[piece]))
-                        if step < n - 1 else None)
-                computed[piece] = t.add("matmul" + name, COMPUTE, compute, (arrived[piece],))
-                arrived[piece] = send
+                send = t.add("send" + name, link(move.direction), transfer, (arrived.get(p), computed.get(p))) if move.sends else None
+                computed[p] = t.add("matmul" + name, COMPUTE, compute, (arrived.get(p),))
+                arrived[p] = send
             else:
                 # partial sum = matmul + received accumulator, then sent on
-                computed[piece] = t.add("matmul" + name, COMPUTE, compute)
-                if step < n - 1:
-                    arrived[piece] = t.add("send" + name, link(direction), transfer, (computed[piece], arrived[piece]))
+                computed[p] = t.add("matmul" + name, COMPUTE, compute)
+                if move.sends:
+                    arrived[p] = t.add("send" + name, link(move.direction), transfer, (computed[p], arrived.get(p)))
 
 
 DEFAULT_CHUNKS = {"ring": 1, "bidirectional": 1, "slicing": 4}

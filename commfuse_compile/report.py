@@ -21,8 +21,6 @@ import torch.fx as fx
 
 log = logging.getLogger("commfuse_compile")
 
-KINDS = {"all_gather→mm": "all_gather_matmul", "mm→reduce_scatter": "matmul_reduce_scatter"}
-
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
@@ -39,7 +37,7 @@ class SiteRecord:
     """One all-gather or reduce-scatter the pass inspected (a match)."""
 
     graph: str  # "forward" | "backward" | "inference"
-    pattern: str  # "all_gather→mm" | "mm→reduce_scatter"
+    pattern: str  # the pattern's name: "all_gather_matmul" | "matmul_reduce_scatter"
     collective: str  # node name in the post-grad graph
     group_name: str
     group_size: int
@@ -65,8 +63,8 @@ class SiteRecord:
 
     @property
     def kind(self) -> str:
-        """"all_gather_matmul" or "matmul_reduce_scatter"."""
-        return KINDS.get(self.pattern, self.pattern)
+        """The pattern's name (the same as ``pattern``)."""
+        return self.pattern
 
     @property
     def decision(self) -> str:

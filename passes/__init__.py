@@ -3,6 +3,10 @@
 One stage per module, one data type (:class:`~commfuse_compile.passes.site.Site`) between them:
 
     match → plan → rewrite → order → check → report
+
+and one module per pattern (:data:`PATTERNS`), which the stages call through the interface of
+:class:`~commfuse_compile.passes.pattern.Pattern`: what it matches, the workload the cost model
+times, what it emits.
 """
 
 from __future__ import annotations
@@ -16,17 +20,23 @@ from commfuse_compile._compat import resolve_process_group, stable_topological_s
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.report import Report
 
+from .all_gather_matmul import AllGatherMatmul
 from .check import insert_plan_checks, plan_of
-from .fusion import Fuse, reserved_nodes
-from .graph_utils import GraphSnapshot
-from .match import find_sites
+from .fusion import Fuse
+from .graph_utils import GraphSnapshot, dataflow
+from .matmul_reduce_scatter import MatmulReduceScatter
 from .order import pin_ring_order
+from .pattern import Pattern
 from .plan import plan_site
 from .report import record_sites
 from .rewrite import remove_replaced, rewrite_site
 from .site import Site
 
-__all__ = ["Site", "graph_kind", "group_rank", "run_pipeline"]
+__all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
+
+# Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys).
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter())}
+_BY_COLLECTIVE = {target: p for p in PATTERNS.values() for target in p.collectives}
 
 
 def group_rank(group_name: str) -> int:
@@ -43,6 +53,13 @@ def graph_kind(graph: fx.Graph, is_inference: bool) -> str:
     return "forward"
 
 
+def find_sites(graph: fx.Graph, kind: str) -> list[Site]:
+    """Stage 1 — match: a Site for every collective some pattern knows, in graph order
+    ("pending" when recognised, "skip" with the reason otherwise). Nothing is mutated."""
+    flow = dataflow(graph)
+    return [_BY_COLLECTIVE[node.target].match(node, kind, flow) for node in graph.nodes if node.target in _BY_COLLECTIVE]
+
+
 def run_pipeline(
     graph: fx.Graph,
     options: CommfuseOptions,
@@ -57,14 +74,15 @@ def run_pipeline(
     """
     snapshot = GraphSnapshot(graph)
     try:
-        sites = [plan_site(site, options) for site in find_sites(graph, kind)]
+        sites = [plan_site(site, options, PATTERNS[site.pattern]) for site in find_sites(graph, kind)]
         plans = [plan_of(site) for site in sites]  # (before the rewrite erases the collectives)
         tags = itertools.count(1)  # same sites in the same order on every rank: tags match
-        fuse = Fuse(options.fusion, reserved_nodes(sites))
+        reserved = set().union(*(PATTERNS[site.pattern].reserved(site) for site in sites)) - {None}
+        fuse = Fuse(options.fusion, reserved)
         for site in sites:
             if site.decision == "rewrite":
                 before = set(graph.nodes)
-                rewrite_site(graph, site, rank_of(site.group_name), tags, fuse)
+                rewrite_site(graph, site, PATTERNS[site.pattern], rank_of(site.group_name), tags, fuse)
                 site.region = [n.name for n in graph.nodes if n not in before]
         stable_topological_sort(graph)
         remove_replaced(graph, sites)

@@ -24,7 +24,6 @@ import torch.fx as fx
 from commfuse_compile.options import CommfuseOptions
 
 from .graph_utils import fake
-from .plan import KIND
 from .site import Site
 
 
@@ -33,7 +32,7 @@ def plan_of(site: Site) -> dict:
     value = fake(site.collective.args[0])
     rewrite = site.decision == "rewrite"
     return dict(
-        kind=KIND.get(site.pattern, site.pattern),
+        kind=site.pattern,
         input=[size if isinstance(size, int) else str(size) for size in value.shape],  # (symbols by name)
         dtype=str(value.dtype).removeprefix("torch."),
         decision="rewrite" if rewrite else "skip",

@@ -1,16 +1,19 @@
-"""Cutting a site's matmuls into pieces: shared by the ring and slicing rewrites.
+"""Cutting a site's matmuls into pieces: shared by the patterns' ring and slicing rewrites.
 
 The gathered / scattered tensor of a site is cut along its dim ``d`` into ``count`` equal
 pieces (N chunks of m pieces each: piece ``q = j·m + s`` is piece s of rank j's chunk). These
-helpers compute a consumer matmul on some of those pieces and put the results back together.
+helpers say whether a matmul can be cut so (``chunk_problem``, ``matmul_problem``), compute a
+consumer matmul on some of those pieces and put the results back together.
 """
 
 from __future__ import annotations
 
+from math import prod
+
 import torch
 import torch.fx as fx
 
-from .graph_utils import ADDMM, MM, Emitter, aten, fake, right_operand
+from .graph_utils import ADDMM, MM, Emitter, aten, fake, left_operand, right_operand, static_shape
 from .site import Consumer, Site
 
 
@@ -22,25 +25,9 @@ def cut(emit: Emitter, tensor: fx.Node, dim: int, parts: int) -> list[fx.Node]:
     return [emit(aten.slice.Tensor, tensor, dim, i * size, (i + 1) * size) for i in range(parts)]
 
 
-def shard_pieces(emit: Emitter, site: Site, parts: int) -> list[fx.Node]:
-    """This rank's shard of a Flash-AG site cut into ``parts`` pieces along the site's dim.
-    Along dim 0 a piece is a block of whole rows; where dim 0 has too few entries (a batch-1
-    sequence gather, [1, S/N, H]) the shard is cut as rows of [-1, H] instead."""
-    shard = site.collective.args[0]
-    if site.dim == 0 and fake(shard).shape[0] % parts:
-        shard = emit(aten.reshape.default, shard, [-1, fake(site.tensor).shape[-1]])
-    return cut(emit, shard, site.dim, parts)
-
-
 def join(emit: Emitter, parts: list[fx.Node], dim: int) -> fx.Node:
     """``parts`` concatenated along ``dim`` (one part: itself)."""
     return parts[0] if len(parts) == 1 else emit(aten.cat.default, parts, dim)
-
-
-def emitter_before_consumers(graph: fx.Graph, site: Site) -> Emitter:
-    """An emitter placing nodes before the first consumer matmul of a Flash-AG site."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return Emitter(graph, before=min((c.mm for c in site.consumers), key=order.__getitem__))
 
 
 def rows_of_pieces(emit: Emitter, matrix: fx.Node, site: Site, pieces: list[int], count: int) -> fx.Node:
@@ -159,40 +146,41 @@ def piece_shape(site: Site, count: int) -> list[int]:
     return shape
 
 
-def whole_tensor_readers(site: Site) -> list[str]:
-    """Nodes that still read the whole gathered tensor (directly or through a consumer's
-    reshape or transpose) once the consumer matmuls are rewritten, e.g. a save for backward."""
-    chain = {v for c in site.consumers for v in (*c.views, *c.permutes)}
-    covered = chain | {c.mm for c in site.consumers}
-    names = []
-    for node in [site.tensor, *chain]:
-        via = "" if node is site.tensor else f" (via {node.name})"
-        names += [f"{u.name}{via}" for u in node.users if u not in covered]
-    return names
+def matmul_problem(matmul: fx.Node) -> str | None:
+    """Why ``matmul`` (mm / addmm) cannot be computed on pieces of its rows at all, if so."""
+    if matmul.target is ADDMM:
+        if matmul.kwargs:
+            return "addmm with beta/alpha"
+        bias, out = static_shape(matmul.args[0]), static_shape(matmul)
+        if bias is None or (bias != out and len(bias) != 1):
+            return f"addmm bias of shape {bias} is neither 1-D nor the output's shape {out}"
+    if static_shape(matmul) is None or static_shape(left_operand(matmul)) is None:
+        return "symbolic matmul shape"
+    return None
 
 
-def finish_all_gather(
-    emit: Emitter, site: Site, outputs: list[list[fx.Node]], partials: list[list[fx.Node]], held: list[fx.Node]
-) -> None:
-    """Assemble each consumer's result (``outputs``: its pieces in tensor order; ``partials``:
-    a contraction consumer's partial products) and replace the consumer by it; serve any other
-    reader of the gathered tensor from the pieces ``held`` (never by a second collective)."""
-    readers = whole_tensor_readers(site)
-    for c, consumer in enumerate(site.consumers):
-        pieces = partials[c] if consumer.role == "contraction" else outputs[c]
-        consumer.mm.replace_all_uses_with(assemble(emit, consumer, pieces, site.dim))
-    if readers:
-        whole = emit(aten.cat.default, held, site.dim)
-        if fake(whole).shape != fake(site.tensor).shape:  # pieces cut as rows (shard_pieces)
-            whole = emit(aten.reshape.default, whole, list(fake(site.tensor).shape))
-        site.tensor.replace_all_uses_with(whole)
-        site.notes.append(f"gathered tensor rebuilt from the pieces for {', '.join(readers)}")
+def chunk_problem(tensor: list[int], dim: int, count: int, rows_by_width: list[int] | None) -> str | None:
+    """Why the 2-D matmul operand/result ``rows_by_width`` cannot be cut into the ``count``
+    pieces of ``tensor`` along ``dim`` (None if it can).
 
-
-def finish_reduce_scatter(emit: Emitter, site: Site, own: list[fx.Node], count: int) -> None:
-    """Replace the scattered result by this rank's pieces (each [rows, M], of ``count``) in order
-    (along dim 0 they are blocks of rows already)."""
-    if site.dim:
-        own = [emit(aten.reshape.default, piece, piece_shape(site, count)) for piece in own]
-    joined = join(emit, own, site.dim)
-    site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))
+    dim 0: piece q is elements [q·E, (q+1)·E) of the row-major tensor (E = numel / count), a
+    block of whole rows of the 2-D view exactly when E is a multiple of the row width (and of
+    the tensor's last dim, the rows a shard is cut into when dim 0 itself is too short).
+    dim d > 0: pieces are not contiguous, so each is reshaped on its own; that is exact when the
+    2-D view flattens every dim but the last, and d is not that last dim.
+    """
+    if rows_by_width is None:
+        return "symbolic matmul shape"
+    rows, width = rows_by_width
+    if dim == 0:
+        per_piece, rest = divmod(prod(tensor), count)
+        if rest or per_piece % width or per_piece % tensor[-1]:
+            return f"{tensor} does not split into {count} blocks of whole rows of [{rows}, {width}]"
+        return None
+    if tensor[dim] % count:
+        return f"dim {dim} of {tensor} does not split into {count} pieces"
+    if dim == len(tensor) - 1:
+        return f"dim {dim} is the last dim (the contraction dim of Flash-AG's matmul, the columns of Flash-RS's): not yet supported"
+    if [rows, width] != [prod(tensor[:-1]), tensor[-1]]:
+        return f"[{rows}, {width}] is not {tensor} with its leading dims flattened"
+    return None

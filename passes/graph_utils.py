@@ -16,10 +16,6 @@ c10d = torch.ops._c10d_functional
 ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 WAIT = c10d.wait_tensor.default
-COALESCED = {
-    c10d.all_gather_into_tensor_coalesced.default: "all_gather→mm",
-    c10d.reduce_scatter_tensor_coalesced.default: "mm→reduce_scatter",
-}
 MM = aten.mm.default
 ADDMM = aten.addmm.default
 MATMULS = {MM, ADDMM}
@@ -27,6 +23,13 @@ SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 # Views that reinterpret a row-major tensor without moving data (they appear around mm for
 # leading dims: [B, S, H] -> [B*S, H] -> mm -> [B, S, M]).
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def ring_exchange_op() -> Any:
+    """``torch.ops.commfuse.ring_exchange.default`` (registered on first use)."""
+    import commfuse_compile.p2p  # noqa: F401
+
+    return torch.ops.commfuse.ring_exchange.default
 
 
 def fake(node: Any) -> Any:

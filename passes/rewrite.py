@@ -1,9 +1,9 @@
 """Stage 3 — rewrite: replace each planned Site by its schedule.
 
-``site.schedule`` says which: ``"ring"`` / ``"bidirectional"`` emit the CommFuse rings
-(:mod:`.ring`), ``"slicing"`` the sliced-collective baseline (:mod:`.slicing`). Either way the
-consumer matmuls (Flash-AG) or the scattered result (Flash-RS) are replaced by the pieces put
-back together (with the ``fusion`` option, the row-local ops next to the ring too: see
+Each pattern's ``emit`` (:mod:`.all_gather_matmul`, :mod:`.matmul_reduce_scatter`) writes its
+schedule — ring, bidirectional ring or slicing — in place of the matched nodes: the consumer
+matmuls (Flash-AG) or the scattered result (Flash-RS) are replaced by the pieces put back
+together (with the ``fusion`` option, the row-local ops next to the ring too: see
 :mod:`.fusion`), every step is recorded as a RingStep for the order stage, and the replaced
 nodes are left for ``remove_replaced`` once the graph is sorted again.
 """
@@ -16,25 +16,15 @@ import torch.fx as fx
 
 from .fusion import Fuse
 from .graph_utils import erase_if_unused
-from .ring import flash_all_gather, flash_reduce_scatter
+from .pattern import Pattern
 from .site import Site
-from .slicing import sliced_all_gather, sliced_reduce_scatter
 
 
-def rewrite_site(graph: fx.Graph, site: Site, rank: int, tags: itertools.count, fuse: Fuse) -> None:
+def rewrite_site(graph: fx.Graph, site: Site, pattern: Pattern, rank: int, tags: itertools.count, fuse: Fuse) -> None:
     """Emit ``site``'s schedule (decision "rewrite") in place, with the row-local ops around it
     that ``fuse`` allows computed inside its steps."""
     site.rank = rank
-    if site.pattern == "mm→reduce_scatter":
-        if site.schedule == "slicing":
-            sliced_reduce_scatter(graph, site, fuse)
-        else:
-            flash_reduce_scatter(graph, site, rank, tags, fuse)
-        return
-    if site.schedule == "slicing":
-        sliced_all_gather(graph, site, fuse)
-    else:
-        flash_all_gather(graph, site, rank, tags, fuse)
+    pattern.emit(graph, site, rank, tags, fuse)
 
 
 def remove_replaced(graph: fx.Graph, sites: list[Site]) -> None:

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from .graph_utils import left_operand, right_operand
 
-Pattern = Literal["all_gather→mm", "mm→reduce_scatter"]
+PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter"]
 Decision = Literal["pending", "rewrite", "skip"]
 SYMBOLIC_SIZES = "symbolic sizes: chunks cannot be cut statically"
 
@@ -72,7 +72,7 @@ class RingStep:
 class Site:
     """A collective the pass looked at, and what became of it."""
 
-    pattern: Pattern
+    pattern: PatternName  # the pattern's one name (passes.PATTERNS)
     graph: str  # "forward" | "backward" | "inference"
     collective: fx.Node
     wait: fx.Node | None
@@ -102,3 +102,10 @@ class Site:
     def skip(self, reason: str) -> Site:
         self.decision, self.reason = "skip", reason
         return self
+
+
+def coalesced_site(pattern: PatternName, node: fx.Node, graph_kind: str) -> Site:
+    """A coalesced collective (several tensors in one call): recorded, left alone."""
+    group_size, group_name = node.args[-2:]  # both coalesced ops end with (group_size, group_name)
+    site = Site(pattern, graph_kind, node, None, group_name, group_size)
+    return site.skip("coalesced collective (several tensors in one call): not yet supported")

@@ -204,3 +204,14 @@ def test_plan_comparison_names_options_and_matches():
     assert "left alone on rank 1" in problem and "Their options are the same" in problem
     assert compare_plans([plan("ring"), plan("ring", strict=True)], [0, 1]) == ("", "their options differ: 'strict' is False on rank 0, True on rank 1")
     assert compare_plans([plan("ring"), plan("ring")], [0, 1]) == ("", "")
+
+
+def test_one_name_per_pattern():
+    """The pattern registry, min_speedup's keys and the cost model's workloads use one name."""
+    from commfuse_compile.options import PATTERN_KINDS
+    from commfuse_compile.passes import PATTERNS
+
+    assert set(PATTERNS) == set(PATTERN_KINDS)
+    for name, pattern in PATTERNS.items():
+        assert pattern.name == name and pattern.collectives
+        assert getattr(CommfuseOptions(), pattern.option) is True

@@ -110,11 +110,11 @@ def test_fsdp2_mlp_equals_eager(ranks):
 # backward re-gathers the 2 resharded weights that dX reads (layer 0's dX is not needed) and
 # scatters the 3 weight grads (the bias grads are column sums, not matmuls).
 EXPECTED_SIMPLE_FSDP_SITES = sorted(
-    [("forward", "all_gather→mm", "rewritten")] * 3
-    + [("forward", "all_gather→mm", "skipped")] * 2
-    + [("backward", "all_gather→mm", "rewritten")] * 2
-    + [("backward", "mm→reduce_scatter", "rewritten")] * 3
-    + [("backward", "mm→reduce_scatter", "skipped")] * 2
+    [("forward", "all_gather_matmul", "rewritten")] * 3
+    + [("forward", "all_gather_matmul", "skipped")] * 2
+    + [("backward", "all_gather_matmul", "rewritten")] * 2
+    + [("backward", "matmul_reduce_scatter", "rewritten")] * 3
+    + [("backward", "matmul_reduce_scatter", "skipped")] * 2
 )
 
 

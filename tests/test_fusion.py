@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from conftest import fake_world
 from graphs import post_grad_graphs, rewrite_as
 
-from commfuse_compile.passes.fusion import SDPA, reshape_axis
+from commfuse_compile.passes.attention import SDPA
+from commfuse_compile.passes.rowlocal import reshape_axis
 from commfuse_compile.passes.graph_utils import MATMULS, MM, fake
 
 WORLD = 4
@@ -91,7 +92,7 @@ def test_flash_rs_computes_the_norm_and_activation_gradients_per_piece(tail_grap
     matmul's, the norm's (a row sum, broadcast back by expand) and silu's gradients: all
     row-local, so each step computes its own rows of dY1."""
     graph, (site,), _ = rewrite_as(tail_graphs["backward"], 2, "backward", pin_order=False)
-    assert site.pattern == "mm→reduce_scatter" and site.decision == "rewrite", site.reason
+    assert site.pattern == "matmul_reduce_scatter" and site.decision == "rewrite", site.reason
     fused = {n.target for n in site.fused}
     assert {torch.ops.aten.mm.default, torch.ops.aten.sum.dim_IntList, torch.ops.aten.expand.default} <= fused, site.notes
     rows = [_rows(n) for n in graph.nodes if n.target is MM and fake(n.args[1]).shape == (8, 32)]  # dZ @ W_rep^T

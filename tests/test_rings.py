@@ -20,21 +20,21 @@ from commfuse_compile._compat import work_registry_size
 pytestmark = pytest.mark.slow
 
 REWRITTEN_EVERYWHERE = [
-    ("forward", "all_gather→mm", "rewritten"),
-    ("forward", "mm→reduce_scatter", "rewritten"),
-    ("backward", "all_gather→mm", "rewritten"),
-    ("backward", "mm→reduce_scatter", "rewritten"),
+    ("forward", "all_gather_matmul", "rewritten"),
+    ("forward", "matmul_reduce_scatter", "rewritten"),
+    ("backward", "all_gather_matmul", "rewritten"),
+    ("backward", "matmul_reduce_scatter", "rewritten"),
 ]
 EXPECTED_SITES = {
     "canonical": REWRITTEN_EVERYWHERE,
     "leading_dims": REWRITTEN_EVERYWHERE,
     # The gathered tensor's second reader adds its gradient to the matmul's before the
     # backward reduce-scatter: a sum of products, left for now with a reason.
-    "reused": REWRITTEN_EVERYWHERE[:3] + [("backward", "mm→reduce_scatter", "skipped")],
+    "reused": REWRITTEN_EVERYWHERE[:3] + [("backward", "matmul_reduce_scatter", "skipped")],
     "sequence_parallel": REWRITTEN_EVERYWHERE,
     # Forward: the weight gather (columns + contraction consumers); backward: its gradient's
     # reduce-scatter, a sum of two matmuls.
-    "weight_gather": [("forward", "all_gather→mm", "rewritten"), ("backward", "mm→reduce_scatter", "rewritten")],
+    "weight_gather": [("forward", "all_gather_matmul", "rewritten"), ("backward", "matmul_reduce_scatter", "rewritten")],
     "row_local": REWRITTEN_EVERYWHERE,
     "attention": REWRITTEN_EVERYWHERE,
     "batch1_view": REWRITTEN_EVERYWHERE,
@@ -44,8 +44,8 @@ EXPECTED_SITES = {
 # (with the norm's row sum) after the backward gather; attention: query-split attention before
 # the output projection's reduce-scatter.
 EXPECTED_FUSED = {
-    "row_local": {("forward", "all_gather→mm"): "mm", ("backward", "all_gather→mm"): "sum"},
-    "attention": {("forward", "mm→reduce_scatter"): "_scaled_dot_product_flash_attention_for_cpu"},
+    "row_local": {("forward", "all_gather_matmul"): "mm", ("backward", "all_gather_matmul"): "sum"},
+    "attention": {("forward", "matmul_reduce_scatter"): "_scaled_dot_product_flash_attention_for_cpu"},
 }
 
 

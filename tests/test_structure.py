@@ -113,7 +113,7 @@ def test_dtensor_sequence_parallel_split_form_of_every_rank(world):
         for r in range(WORLD):
             graph, sites, _ = rewrite_as(graphs[kind], r, kind, pin_order=False, fusion=False)
             assert [(s.pattern, s.decision, s.dim) for s in sites] == [
-                ("all_gather→mm", "rewrite", 1), ("mm→reduce_scatter", "rewrite", 1)
+                ("all_gather_matmul", "rewrite", 1), ("matmul_reduce_scatter", "rewrite", 1)
             ], [s.reason for s in sites]
             ag, rs = sites
             assert [s.chunk for s in ag.steps] == [(r - k) % WORLD for k in range(WORLD)]

@@ -22,8 +22,8 @@ TOL = 1e-5
 # Backward: the gathered output grads of wo / w2, and the input grads of q+k+v / w1+w3 (sums of
 # matmuls) reduce-scattered. Every one must be rewritten: the count is exact on purpose.
 EXPECTED = sorted(
-    [(g, "all_gather→mm") for g in ("forward", "backward") for _ in range(2)]
-    + [(g, "mm→reduce_scatter") for g in ("forward", "backward") for _ in range(2)]
+    [(g, "all_gather_matmul") for g in ("forward", "backward") for _ in range(2)]
+    + [(g, "matmul_reduce_scatter") for g in ("forward", "backward") for _ in range(2)]
 )
 
 
@@ -40,9 +40,9 @@ def check(result: dict, tp_size: int, tol: float = TOL) -> None:
 SCHEDULES = [{"schedule": "ring"}, {"schedule": "bidirectional"}, {"schedule": "slicing", "chunks_per_rank": 2}]
 # (graph, pattern) -> an op that site's steps must compute (the fused region)
 FUSED = {
-    ("forward", "mm→reduce_scatter"): "_scaled_dot_product_flash_attention_for_cpu",  # query-split attention
-    ("forward", "all_gather→mm"): "mul",  # silu(w1 x) * w3 x
-    ("backward", "all_gather→mm"): "mul",  # its gradient
+    ("forward", "matmul_reduce_scatter"): "_scaled_dot_product_flash_attention_for_cpu",  # query-split attention
+    ("forward", "all_gather_matmul"): "mul",  # silu(w1 x) * w3 x
+    ("backward", "all_gather_matmul"): "mul",  # its gradient
 }
 
 

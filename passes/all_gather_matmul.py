@@ -1,0 +1,281 @@
+"""Pattern ``all_gather_matmul``: an all-gather feeding matmuls, rewritten as Flash-AG.
+
+Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
+
+    all_gather_into_tensor(x, N, group) -> wait_tensor
+        [-> split(dim 0) -> getitem × N -> cat(dim d)]    gather on dim d != 0 (or N slices)
+        -> [reshape ...] -> [permute(·, [1, 0]) ...] -> mm / addmm     one or more consumers
+
+Each consumer reads the gathered tensor G as its left operand's rows (``G @ W``: chunks of output
+rows), through a transpose as its right operand's columns (``X @ G.t()``, FSDP's weight gather:
+chunks of output columns), or along the contracted dim (``G.t() @ dY``, ``A @ G``: each chunk a
+partial product, summed). A consumer whose other operand depends on G is left as is. Other
+readers of G (a save for backward) get it rebuilt from the pieces, never by a second gather.
+
+The cost model times (:func:`AllGatherMatmul.workload`): the consumers' matmuls with the dims
+of G (the one dim only this rank's other operand has is taken as G's width) and one rank's
+shard in bytes: vanilla (gather, then the matmuls), slicing, and the rings.
+
+Emits (rank r, ring schedule; :func:`commfuse_compile.schedules.flash_ag_steps` says which piece
+each step computes, sends and receives)::
+
+    cur = x                                                       # chunk r
+    for k in 0 .. N-1:
+        if k < N-1: nxt = ring_exchange(cur, to=r+1, from=r-1)     # start
+        y_j = mm(view(cur), W)  for j = (r - k) % N                 # overlaps the transfer
+        if k < N-1: cur = wait_tensor(nxt)                         # chunk j - 1
+    y = view(cat([y_0, ..., y_{N-1}], d))       # each chunk at its own offset
+    G = cat([x_0, ..., x_{N-1}], d)             # only if G has other readers
+
+With m pieces per chunk each step is m sub-steps of m times smaller transfers; the
+bidirectional ring sends half of the pieces the other way (both links busy). The slicing
+baseline instead issues K sliced all-gathers, slice s + 1's overlapping slice s's matmuls (the
+first one exposed)::
+
+    g_0 = all_gather(x_0)
+    for s in 0 .. K-1:
+        if s < K-1: g_{s+1} = all_gather(x_{s+1})
+        y_s = mm(view(wait(g_s)), W)                 # rows of pieces (0, s), ..., (N-1, s)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import torch.fx as fx
+
+from commfuse_compile.cost_model import Matmul, Workload
+from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_pieces
+
+from .chunks import assemble, chunk_problem, cut, in_layout, matmul_problem, output_axis, piece_product
+from .fusion import Fuse
+from .graph_utils import ADDMM, ALL_GATHER, MATMULS, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape
+from .layout import reshape_chains, single_wait, split_cat, transpose_chains
+from .pattern import Pattern
+from .site import SYMBOLIC_SIZES, Consumer, RingStep, Site, coalesced_site
+
+
+class AllGatherMatmul(Pattern):
+    name = "all_gather_matmul"
+    flash = "Flash-AG"
+    option = "flash_ag"
+    collectives = frozenset({ALL_GATHER, c10d.all_gather_into_tensor_coalesced.default})
+
+    # ---- match ---------------------------------------------------------------------------
+
+    def match(self, ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+        if ag.target is not ALL_GATHER:
+            return coalesced_site(self.name, ag, graph_kind)
+        shard, group_size, group_name = ag.args[:3]
+        site = Site(self.name, graph_kind, ag, single_wait(ag), group_name, group_size)
+        site.shapes["shard"] = list(fake(shard).shape)
+        if static_shape(shard) is None:  # (checked first: symbolic sizes add sym_size readers)
+            return site.skip(SYMBOLIC_SIZES)
+        if site.wait is None:
+            return site.skip(f"all-gather is not read through a single wait_tensor (users: {describe_users(ag)})")
+        site.tensor, site.dim = split_cat(site.wait, group_size, 0) or (site.wait, 0)
+        if site.dim:
+            site.shapes["gathered"] = list(fake(site.tensor).shape)
+        consumers = list(_matmul_consumers(site.tensor))
+        if not consumers:
+            if any(u.target is ADDMM and u.args[0] is site.tensor for u in site.tensor.users):
+                return site.skip("the gathered tensor is only added as an addmm bias: no matmul to overlap with")
+            return site.skip(f"no matmul reads the gathered tensor (users: {describe_users(site.tensor)})")
+        downstream = nx.descendants(flow, site.wait)
+        for consumer in consumers:
+            if consumer.other_operand(site.tensor) in downstream:
+                site.notes.append(f"{consumer.mm.name}: its other operand depends on the gathered tensor; left as is")
+            else:
+                site.consumers.append(consumer)
+        if not site.consumers:
+            return site.skip("the other operand of every consuming matmul depends on the gathered tensor")
+        for i, consumer in enumerate(site.consumers):
+            site.shapes[f"{consumer.role}{i}"] = list(fake(consumer.other_operand(site.tensor)).shape)
+        return site
+
+    # ---- plan ----------------------------------------------------------------------------
+
+    def keep_computable(self, site: Site, tensor: list[int]) -> str | None:
+        kept = []
+        for consumer in site.consumers:
+            why_not = matmul_problem(consumer.mm) or self.cut_problem(site, tensor, consumer, site.group_size)
+            if why_not:
+                site.notes.append(f"{consumer.mm.name}: {why_not}; left as is")
+            else:
+                kept.append(consumer)
+        site.consumers = kept
+        return None if kept else "no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes)
+
+    def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
+        return chunk_problem(tensor, site.dim, count, static_shape(consumer.view or site.tensor))
+
+    def workload(self, site: Site) -> Workload:
+        """The consumers' matmuls in dims every rank shares (G as the matmul reads it, [rows,
+        width]; the other operand's own dim as ``width``: with uneven shards it differs
+        between ranks, and a plan that read it could differ too) and the shard's bytes."""
+        matmuls = []
+        for consumer in site.consumers:
+            rows, width = static_shape(consumer.view or site.tensor)
+            if consumer.role == "rows":  # G[rows, width] @ W[width, n]
+                matmuls.append(Matmul(rows, width, width, "m"))
+            elif consumer.role == "columns":  # X[m, width] @ G^T[width, rows]
+                matmuls.append(Matmul(width, width, rows, "n"))
+            else:  # contraction: G^T[width, rows] @ dY[rows, n], or A[m, rows] @ G
+                matmuls.append(Matmul(width, rows, width, "k"))
+        shard = fake(site.collective.args[0])
+        return Workload(self.name, site.group_size, tuple(matmuls), shard.numel() * shard.element_size(), fake(site.consumers[0].mm).dtype)
+
+    # ---- emit ----------------------------------------------------------------------------
+
+    def emit(self, graph: fx.Graph, site: Site, rank: int, tags: itertools.count, fuse: Fuse) -> None:
+        if site.schedule == "slicing":
+            _sliced(graph, site, fuse)
+        else:
+            _ring(graph, site, rank, tags, fuse)
+
+
+def _matmul_consumers(gathered: fx.Node):
+    """Matmuls reading the gathered tensor through a chain of reshapes and a chain of
+    ``permute(·, [1, 0])``, with the role the gathered dim plays in each."""
+    for view, views in reshape_chains(gathered):
+        for operand, permutes in transpose_chains(view):
+            transposed = len(permutes) % 2 == 1
+            for mm in operand.users:
+                if mm.target not in MATMULS:
+                    continue
+                left, right = left_operand(mm) is operand, right_operand(mm) is operand
+                if left == right:  # not an operand, or both (x @ x.t()): leave it
+                    continue
+                if left:
+                    role = "contraction" if transposed else "rows"
+                else:
+                    role = "columns" if transposed else "contraction"
+                yield Consumer(mm=mm, views=views, role=role, permutes=permutes)
+
+
+class _Pieces:
+    """What a Flash-AG rewrite accumulates: the pieces it held, each consumer's output pieces
+    (in tensor order) and partial products (contraction consumers, in ring order)."""
+
+    def __init__(self, site: Site, count: int):
+        self.site, self.count = site, count
+        self.held: list[fx.Node | None] = [None] * count
+        self.outputs: list[list[fx.Node | None]] = [[None] * count for _ in site.consumers]
+        self.partials: list[list[fx.Node]] = [[] for _ in site.consumers]
+
+    def compute(self, emit: Emitter, held: fx.Node, pieces: list[int], fused) -> list[fx.Node]:
+        """Every consumer on ``held`` (the tensor's ``pieces``, in its layout), then what
+        ``fused`` computes on them; returns the nodes that overlap the step's transfer."""
+        d, nodes = self.site.dim, []
+        for c, consumer in enumerate(self.site.consumers):
+            y = piece_product(emit, consumer, self.site, held, pieces, self.count)
+            nodes.append(y)
+            if consumer.role == "contraction":
+                self.partials[c].append(y)
+            else:  # (slicing holds one piece per rank, side by side along d)
+                laid_out = in_layout(emit, consumer, y, held, d)
+                for q, part in zip(pieces, cut(emit, laid_out, output_axis(consumer, d), len(pieces))):
+                    self.outputs[c][q] = part
+        for q in pieces:
+            nodes += fused.step(emit, q, [out[q] for out in self.outputs])
+        return nodes
+
+    def finish(self, emit: Emitter) -> None:
+        """Replace each consumer by its result put back together; serve any other reader of the
+        gathered tensor from the pieces held (never by a second collective)."""
+        site = self.site
+        readers = _whole_tensor_readers(site)
+        for c, consumer in enumerate(site.consumers):
+            parts = self.partials[c] if consumer.role == "contraction" else self.outputs[c]
+            consumer.mm.replace_all_uses_with(assemble(emit, consumer, parts, site.dim))
+        if readers:
+            whole = emit(aten.cat.default, self.held, site.dim)
+            if fake(whole).shape != fake(site.tensor).shape:  # pieces cut as rows (_shard_pieces)
+                whole = emit(aten.reshape.default, whole, list(fake(site.tensor).shape))
+            site.tensor.replace_all_uses_with(whole)
+            site.notes.append(f"gathered tensor rebuilt from the pieces for {', '.join(readers)}")
+
+
+def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse) -> None:
+    """Flash-AG, one-way or bidirectional, as :func:`flash_ag_steps` lays it out."""
+    per_chunk = pieces_per_chunk(site.schedule, site.chunks_per_rank)
+    count = site.group_size * per_chunk
+    emit = _emitter_before_consumers(graph, site)
+    fused = fuse.after_gather(graph, site, count)
+    exchange = ring_exchange_op()
+    pieces = _Pieces(site, count)
+    cur = dict(enumerate(_shard_pieces(emit, site, per_chunk)))  # stream -> the piece it holds
+    for step in flash_ag_steps(site.group_size, r, site.schedule, site.chunks_per_rank):
+        for sub in step:
+            starts = {mv.stream: emit(exchange, cur[mv.stream], mv.send_to, mv.recv_from, site.group_name, next(tags)) for mv in sub if mv.sends}
+            computed = {}
+            for mv in sub:
+                pieces.held[mv.piece] = cur[mv.stream]
+                computed[mv.stream] = pieces.compute(emit, cur[mv.stream], [mv.piece], fused)
+            for mv in sub:
+                wait = emit(WAIT, starts[mv.stream]) if mv.receives else None
+                site.steps.append(RingStep(chunk=mv.piece, compute=computed[mv.stream], start=starts.get(mv.stream), wait=wait))
+                if wait is not None:
+                    cur[mv.stream] = wait
+    fused.finish(emit)
+    pieces.finish(emit)
+
+
+def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
+    """The slicing baseline: K sliced all-gathers, each overlapping the previous slice's matmuls."""
+    n, d, k, group = site.group_size, site.dim, site.chunks_per_rank, site.group_name
+    count = n * k
+    emit = _emitter_before_consumers(graph, site)
+    fused = fuse.after_gather(graph, site, count)
+    pieces = _Pieces(site, count)
+    slices = _shard_pieces(emit, site, k)
+    gathers = [emit(ALL_GATHER, slices[0], n, group)]
+    waits = [emit(WAIT, gathers[0])]  # slice 0: exposed
+    for s in range(k):
+        if s < k - 1:
+            gathers.append(emit(ALL_GATHER, slices[s + 1], n, group))
+        gathered = _in_dim_layout(emit, waits[s], n, d)  # pieces (0, s) .. (N-1, s) along d
+        carried = slice_pieces(n, k, s)
+        for q, piece in zip(carried, cut(emit, gathered, d, n)):
+            pieces.held[q] = piece
+        compute = pieces.compute(emit, gathered, carried, fused)
+        wait = emit(WAIT, gathers[s + 1]) if s < k - 1 else None
+        site.steps.append(RingStep(chunk=s, compute=compute, start=gathers[s + 1] if s < k - 1 else None, wait=wait))
+        if wait is not None:
+            waits.append(wait)
+    fused.finish(emit)
+    pieces.finish(emit)
+
+
+def _emitter_before_consumers(graph: fx.Graph, site: Site) -> Emitter:
+    """An emitter placing nodes before the first consumer matmul."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return Emitter(graph, before=min((c.mm for c in site.consumers), key=order.__getitem__))
+
+
+def _shard_pieces(emit: Emitter, site: Site, parts: int) -> list[fx.Node]:
+    """This rank's shard cut into ``parts`` pieces along the site's dim. Along dim 0 a piece is
+    a block of whole rows; where dim 0 has too few entries (a batch-1 sequence gather,
+    [1, S/N, H]) the shard is cut as rows of [-1, H] instead."""
+    shard = site.collective.args[0]
+    if site.dim == 0 and fake(shard).shape[0] % parts:
+        shard = emit(aten.reshape.default, shard, [-1, fake(site.tensor).shape[-1]])
+    return cut(emit, shard, site.dim, parts)
+
+
+def _in_dim_layout(emit: Emitter, gathered: fx.Node, n: int, d: int) -> fx.Node:
+    """all_gather stacks the ranks' pieces on dim 0; put them side by side along d."""
+    return gathered if d == 0 else emit(aten.cat.default, cut(emit, gathered, 0, n), d)
+
+
+def _whole_tensor_readers(site: Site) -> list[str]:
+    """Nodes that still read the whole gathered tensor (directly or through a consumer's
+    reshape or transpose) once the consumer matmuls are rewritten, e.g. a save for backward."""
+    chain = {v for c in site.consumers for v in (*c.views, *c.permutes)}
+    covered = chain | {c.mm for c in site.consumers}
+    names = []
+    for node in [site.tensor, *chain]:
+        via = "" if node is site.tensor else f" (via {node.name})"
+        names += [f"{u.name}{via}" for u in node.users if u not in covered]
+    return names

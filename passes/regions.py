@@ -1,0 +1,124 @@
+"""Fusion regions: the row-local ops next to a ring that its steps can compute piece by piece.
+
+After Flash-AG (:func:`forward_region`), the ops after the consumer matmuls up to the first op
+that mixes rows; before Flash-RS (:func:`backward_region`), the ops producing the scattered
+matmuls' left operands. A region never takes another match's nodes, is dropped when it holds
+no compute (only views), and before Flash-RS when a value assembled after the ring would feed
+the ring itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+from .attention import SDPA
+from .rowlocal import VIEWS, axes_of, input_axes
+from .site import Site
+
+
+@dataclasses.dataclass
+class Region:
+    """Nodes computed piece by piece: ``axis`` maps each to the axis its pieces are cut along
+    (``given``: nodes whose pieces the ring supplies); ``count`` pieces in all."""
+
+    axis: dict[fx.Node, int]
+    count: int
+    given: frozenset[fx.Node] = frozenset()
+
+    @property
+    def computed(self) -> list[fx.Node]:
+        return [n for n in self.axis if n not in self.given]
+
+    def outside_users(self, node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if u not in self.axis]
+
+    def describe(self) -> str:
+        return ", ".join(n.name for n in self.computed)
+
+def forward_region(graph: fx.Graph, site: Site, given: dict[fx.Node, int], count: int, reserved: set[fx.Node]) -> Region | None:
+    """The row-local ops after a Flash-AG site's matmuls (``given``: their outputs, with the
+    axis their pieces are cut along), or None if there is nothing to compute there."""
+    depends_on_ring = _descendants(site.wait)
+    axis = dict(given)
+    for node in graph.nodes:
+        if node in axis or node in reserved or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if not any(i in axis for i in inputs):
+            continue
+        for candidate in axes_of(node):
+            cut = input_axes(node, candidate, count)
+            if cut is not None and all(
+                cut[i] == axis[i] if i in axis else i not in depends_on_ring for i in inputs
+            ):
+                axis[node] = candidate
+                break
+    return _trimmed(Region(axis, count, frozenset(given)), downstream=True) if len(axis) > len(given) else None
+
+def backward_region(
+    roots: dict[fx.Node, int], count: int, reserved: set[fx.Node], read_whole: Iterable[fx.Node], notes: list[str]
+) -> Region | None:
+    """The row-local ops producing a Flash-RS site's matmul operands (``roots``, with the axis
+    their pieces are cut along), or None if there is nothing to compute there or it would form
+    a cycle (a value assembled after the ring feeding the ring; said in ``notes``).
+    ``read_whole``: the other inputs of the ring's matmuls."""
+    axis: dict[fx.Node, int] = {}
+    stack = list(roots.items())
+    while stack:
+        node, along = stack.pop()
+        if node in axis:
+            if axis[node] != along:
+                notes.append(f"not fused: {node.name} would be cut along two dims")
+                return None
+            continue
+        cut = input_axes(node, along, count) if node.op == "call_function" and node not in reserved else None
+        if cut is None:
+            continue  # a leaf: sliced
+        axis[node] = along
+        stack += [(i, a) for i, a in cut.items() if a is not None]
+        if node.target is SDPA:  # both outputs are computed per piece
+            stack += [(u, along) for u in node.users]
+    region = _trimmed(Region(axis, count), downstream=False) if axis else None
+    if region is None or any(u.target is not operator.getitem for n in region.axis if n.target is SDPA for u in n.users):
+        return None
+    outside = {i for n in region.axis for i in n.all_input_nodes if i not in region.axis} | set(read_whole)
+    if cycle := set(region.axis) & _ancestors(outside):
+        notes.append(f"not fused: {min(n.name for n in cycle)} is also needed whole before the ring")
+        return None
+    return region
+
+def _trimmed(region: Region, downstream: bool) -> Region | None:
+    """Keep the compute and the views between it and the ring; drop views that only lead out
+    of the region (viewing the assembled value is as good) or only into it from outside
+    (slicing the input is as good). None if no compute is left."""
+    graph = next(iter(region.axis)).graph
+    order = [n for n in graph.nodes if n in region.axis and n not in region.given]
+    kept: set[fx.Node] = set()
+    for node in reversed(order) if downstream else order:
+        near = node.users if downstream else node.all_input_nodes
+        if node.target not in VIEWS or any(n in kept for n in near):
+            kept.add(node)
+    kept |= {n for n in order if n.target is operator.getitem and n.args[0] in kept}  # attention's outputs
+    if all(n.target in VIEWS for n in kept):
+        return None
+    return Region({n: a for n, a in region.axis.items() if n in kept or n in region.given}, region.count, region.given)
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    return _reachable([node], lambda n: n.users)
+
+def _ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    return _reachable(nodes, lambda n: n.all_input_nodes)
+
+def _reachable(nodes: Iterable[fx.Node], step) -> set[fx.Node]:
+    """Every node reached from ``nodes`` by following ``step`` (users or inputs)."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        for near in step(stack.pop()):
+            if near not in seen:
+                seen.add(near)
+                stack.append(near)
+    return seen

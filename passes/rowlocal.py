@@ -1,0 +1,120 @@
+"""Row-local ops: which ops compute piece q of their output from piece q of their inputs.
+
+A ring step computes one piece q of the gathered / scattered dim. :func:`input_axes` says, for
+an op cut into ``count`` pieces along one axis of its output, along which axis each input must
+be cut (or that it is read whole, where it broadcasts) — or that the op mixes pieces. Row-local
+here: pointwise ops (torch's ``pointwise`` tag) with broadcasting, reshapes that keep a piece a
+block, permutes, unsqueeze, expand, reductions over other dims, ``mm`` / ``addmm`` whose right
+operand is read whole (a replicated weight), and attention (:mod:`.attention`).
+"""
+
+from __future__ import annotations
+
+import operator
+from math import prod
+
+import torch
+import torch.fx as fx
+
+from .attention import SDPA, attention_axes
+from .graph_utils import ADDMM, MM, RESHAPES, aten, fake
+
+REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
+
+VIEWS = {*RESHAPES, aten.permute.default, aten.unsqueeze.default, aten.expand.default, operator.getitem}
+
+def input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None] | None:
+    """For ``node`` cut into ``count`` pieces along ``axis``: the axis each tensor input is cut
+    along (None: read whole), or None if piece q of the output is not computable from piece q
+    of its inputs."""
+    out = fake(node)
+    if isinstance(out, torch.Tensor) and (axis >= out.dim() or out.shape[axis] % count):
+        return None
+    inputs = node.all_input_nodes
+    if not all(isinstance(fake(i), (torch.Tensor, tuple)) for i in inputs):
+        return None  # symbolic sizes among the inputs
+    target = node.target
+    if target in RESHAPES:
+        return _single(inputs[0], reshape_axis(list(out.shape), axis, list(fake(inputs[0]).shape), count))
+    if target is aten.permute.default:
+        return _single(inputs[0], list(node.args[1])[axis] % out.dim())
+    if target is aten.unsqueeze.default:
+        inserted = node.args[1] % out.dim()
+        return None if axis == inserted else _single(inputs[0], axis - (axis > inserted))
+    if target is aten.expand.default:  # (its size 1 dims broadcast: read whole along them)
+        return _broadcast_axes(out.shape, inputs, axis)
+    if target in REDUCTIONS:
+        return _single(inputs[0], _reduced_input_axis(node, axis))
+    if target in (MM, ADDMM):
+        return _matmul_axes(node, axis)
+    if target is SDPA:
+        return attention_axes(node, axis)
+    if target is operator.getitem and inputs and inputs[0].target is SDPA:
+        return {inputs[0]: axis}
+    if isinstance(target, torch._ops.OpOverload) and _pointwise(target) and isinstance(out, torch.Tensor):
+        return _broadcast_axes(out.shape, inputs, axis)
+    return None
+
+def _single(node: fx.Node, axis: int | None) -> dict[fx.Node, int | None] | None:
+    return None if axis is None else {node: axis}
+
+def _pointwise(target: torch._ops.OpOverload) -> bool:
+    """Pointwise, and safe to run per piece: not random, not in-place."""
+    tags = target.tags
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and not target._schema.is_mutable
+
+def reshape_axis(shape: list[int], axis: int, other: list[int], count: int) -> int | None:
+    """The axis of ``other`` (a reshape of ``shape``, or the reverse) along which the ``count``
+    blocks of ``shape``'s ``axis`` are again ``count`` blocks, if any. Row-major: the elements
+    with one index of the leading dims form one run; block q of ``axis`` is a sub-run of length
+    size/count·(trailing numel), a block of ``other``'s axis j exactly when j has the same leading
+    numel and that length is a multiple of j's trailing numel."""
+    leading, run = prod(shape[:axis]), shape[axis] // count * prod(shape[axis + 1 :])
+    for j, size in enumerate(other):
+        if prod(other[:j]) == leading and size > 1:
+            trailing = prod(other[j + 1 :])
+            return j if run % trailing == 0 and size % count == 0 else None
+        if prod(other[:j]) > leading:
+            break
+    return None
+
+def _reduced_input_axis(node: fx.Node, axis: int) -> int | None:
+    x, dims = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    ndim = fake(x).dim()
+    if not dims:
+        return None  # a full reduction mixes every row
+    dims = {d % ndim for d in dims}
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    kept = list(range(ndim)) if keepdim else [d for d in range(ndim) if d not in dims]
+    return None if kept[axis] in dims else kept[axis]
+
+def _matmul_axes(node: fx.Node, axis: int) -> dict[fx.Node, int | None] | None:
+    """Rows of ``mm(A, B)`` are rows of A: B is read whole (an addmm's bias is cut like the
+    output, or read whole where it broadcasts)."""
+    if axis != 0:
+        return None
+    bias, a, b = node.args if node.target is ADDMM else (None, *node.args)
+    if a is b or bias in (a, b):
+        return None
+    axes = {a: 0, b: None}
+    if isinstance(bias, fx.Node):
+        bias_shape = fake(bias).shape
+        axes[bias] = 0 if len(bias_shape) == 2 and bias_shape[0] == fake(node).shape[0] > 1 else None
+    return axes
+
+def _broadcast_axes(shape: torch.Size, inputs: list[fx.Node], axis: int) -> dict[fx.Node, int | None] | None:
+    axes: dict[fx.Node, int | None] = {}
+    for i in inputs:
+        ishape = fake(i).shape
+        aligned = axis - (len(shape) - len(ishape))
+        if aligned < 0 or ishape[aligned] == 1:
+            axes[i] = None
+        elif ishape[aligned] == shape[axis]:
+            axes[i] = aligned
+        else:
+            return None
+    return axes
+
+def axes_of(node: fx.Node) -> range:
+    value = fake(node)
+    return range(value.dim()) if isinstance(value, torch.Tensor) else range(3)  # attention's tuple
