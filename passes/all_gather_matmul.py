@@ -4,7 +4,8 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
 
     all_gather_into_tensor(x, N, group) -> wait_tensor
         [-> split(dim 0) -> getitem × N -> cat(dim d)]    gather on dim d != 0 (or N slices)
-        -> [reshape ...] -> [permute(·, [1, 0]) ...] -> mm / addmm     one or more consumers
+        [-> permute / clone ...]                           movedim(0, d)[.contiguous()]
+        -> [reshape / clone ...] -> [permute(·, [1, 0]) ...] -> mm / addmm   one or more consumers
 
 Each consumer reads the gathered tensor G as its left operand's rows (``G @ W``: chunks of output
 rows), through a transpose as its right operand's columns (``X @ G.t()``, FSDP's weight gather:
@@ -51,7 +52,7 @@ from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_p
 from .chunks import assemble, chunk_problem, cut, in_layout, matmul_problem, output_axis, piece_product
 from .fusion import Fuse
 from .graph_utils import ADDMM, ALL_GATHER, MATMULS, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape
-from .layout import reshape_chains, single_wait, split_cat, transpose_chains
+from .layout import after_permutes, reshape_chains, single_wait, split_cat, transpose_chains
 from .pattern import Pattern
 from .site import SYMBOLIC_SIZES, Consumer, RingStep, Site, coalesced_site
 
@@ -75,6 +76,9 @@ class AllGatherMatmul(Pattern):
         if site.wait is None:
             return site.skip(f"all-gather is not read through a single wait_tensor (users: {describe_users(ag)})")
         site.tensor, site.dim = split_cat(site.wait, group_size, 0) or (site.wait, 0)
+        site.tensor, site.dim, permutation, site.layout = after_permutes(site.tensor, site.dim)
+        if permutation != tuple(range(len(permutation))):
+            site.permutation = permutation
         if site.dim:
             site.shapes["gathered"] = list(fake(site.tensor).shape)
         consumers = list(_matmul_consumers(site.tensor))
@@ -259,6 +263,8 @@ def _shard_pieces(emit: Emitter, site: Site, parts: int) -> list[fx.Node]:
     a block of whole rows; where dim 0 has too few entries (a batch-1 sequence gather,
     [1, S/N, H]) the shard is cut as rows of [-1, H] instead."""
     shard = site.collective.args[0]
+    if site.permutation:  # the logical chunk: the shard as the gathered tensor is permuted after
+        shard = emit(aten.permute.default, shard, list(site.permutation))
     if site.dim == 0 and fake(shard).shape[0] % parts:
         shard = emit(aten.reshape.default, shard, [-1, fake(site.tensor).shape[-1]])
     return cut(emit, shard, site.dim, parts)

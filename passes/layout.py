@@ -2,8 +2,11 @@
 
 ``funcol.all_gather_tensor(x, gather_dim=d)``, DTensor sequence parallelism and
 ``reduce_scatter_tensor(y, scatter_dim=d)`` move the gathered / scattered dim with a split along
-one dim and a cat along another; matmuls read the tensor through reshapes (leading dims
-flattened) and transposes. These helpers recognise those forms; nothing is mutated here.
+one dim and a cat along another; torchtitan's ``spmd_types`` moves it with
+``movedim(d, 0).contiguous()`` before the collective and ``movedim(0, d)`` after (permute and
+clone in the aten graph); matmuls read the tensor through reshapes (leading dims flattened),
+copies and transposes. These helpers recognise those forms and say where the dim went; nothing
+is mutated here.
 """
 
 from __future__ import annotations
@@ -13,7 +16,56 @@ from collections.abc import Iterator
 
 import torch.fx as fx
 
+import torch
+
 from .graph_utils import RESHAPES, SPLITS, WAIT, aten, fake
+
+PERMUTE = aten.permute.default
+
+
+def is_copy(node: fx.Node) -> bool:
+    """A ``clone`` that keeps the values and dims (``.contiguous()``, ``.clone()``)."""
+    fmt = node.kwargs.get("memory_format", torch.contiguous_format)
+    return node.target is aten.clone.default and fmt in (torch.contiguous_format, torch.preserve_format) and set(node.kwargs) <= {"memory_format"}
+
+
+def compose(first: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation of ``x.permute(first).permute(then)``."""
+    return tuple(first[i] for i in then)
+
+
+def after_permutes(node: fx.Node, dim: int) -> tuple[fx.Node, int, tuple[int, ...], list[fx.Node]]:
+    """From a gathered ``node`` whose gathered dim is ``dim``, the copies and permutes that are
+    its only readers, one after another (``movedim(0, d)`` after an all-gather): the last of
+    them, where the gathered dim is now, the permutation they apply, and the nodes passed."""
+    perm, passed = tuple(range(fake(node).dim())), []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is PERMUTE:
+            order = tuple(d % len(perm) for d in user.args[1])
+            perm, dim = compose(perm, order), order.index(dim)
+        elif not is_copy(user):
+            break
+        node = user
+        passed.append(node)
+    return node, dim, perm, passed
+
+
+def before_permutes(node: fx.Node) -> tuple[fx.Node, int, tuple[int, ...], list[fx.Node]]:
+    """Into a scattered ``node`` (scattered on dim 0), the copies and permutes that produce it,
+    each read only by the next (``movedim(d, 0).contiguous()`` before a reduce-scatter): the
+    tensor before them, its dim that lands on dim 0, the permutation from it to ``node``, and
+    the nodes passed (including ``node`` if it is one of them)."""
+    orders, passed = [], []
+    while (node.target is PERMUTE or is_copy(node)) and len(node.users) == 1:
+        if node.target is PERMUTE:
+            orders.append(tuple(d % fake(node).dim() for d in node.args[1]))
+        passed.append(node)
+        node = node.args[0]
+    perm = tuple(range(fake(node).dim()))
+    for order in reversed(orders):
+        perm = compose(perm, order)
+    return node, perm[0], perm, passed
 
 
 def single_wait(node: fx.Node) -> fx.Node | None:
@@ -68,11 +120,11 @@ def dim_arg(node: fx.Node, position: int) -> int:
 
 
 def reshape_chains(node: fx.Node, views: tuple[fx.Node, ...] = ()) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
-    """``node`` and every reshape reached from it (with batch 1, DTensor's sequence gather is
-    ``all_gather → view [1, S, H] → view [S, H]``), with the reshapes on the way."""
+    """``node`` and every reshape (or copy) reached from it (with batch 1, DTensor's sequence
+    gather is ``all_gather → view [1, S, H] → view [S, H]``), with the reshapes on the way."""
     yield node, views
     for user in node.users:
-        if user.target in RESHAPES:
+        if user.target in RESHAPES or is_copy(user):
             yield from reshape_chains(user, (*views, user))
 
 

@@ -4,7 +4,8 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
 
     sum of mm / addmm terms, joined by add and reshape
         [-> split(dim d) -> getitem × N -> cat(dim 0)]       scatter on dim d != 0 (or N slices)
-        -> reduce_scatter_tensor(·, "sum", N, group) -> wait_tensor
+        [-> permute / clone ...]                             or movedim(d, 0)[.contiguous()]
+        -> reduce_scatter_tensor(·, "sum" | "avg", N, group) -> wait_tensor
 
 The scattered tensor P is a sum of matmul terms (the dX of q/k/v or of w1/w3; Inductor's
 ``addmm(a, b, c)`` = ``a + b @ c`` is one more term plus those of ``a``). A product also read
@@ -45,7 +46,7 @@ from commfuse_compile.schedules import flash_rs_steps, pieces_per_chunk, slice_p
 from .chunks import chunk_problem, cut, join, matmul_like, matmul_problem, piece_shape, sum_nodes
 from .fusion import Fuse
 from .graph_utils import ADDMM, MATMULS, REDUCE_SCATTER, RESHAPES, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape, target_name
-from .layout import single_wait, split_cat, split_cat_source
+from .layout import before_permutes, single_wait, split_cat, split_cat_source
 from .pattern import Pattern
 from .site import SYMBOLIC_SIZES, Consumer, RingStep, Site, coalesced_site
 
@@ -68,12 +69,16 @@ class MatmulReduceScatter(Pattern):
             return site.skip(SYMBOLIC_SIZES)
         if site.wait is None:
             return site.skip(f"reduce-scatter is not read through a single wait_tensor (users: {describe_users(rs)})")
-        if reduce_op != "sum":
-            return site.skip(f"reduce op {reduce_op!r}: only 'sum' is decomposed")
-        site.tensor, site.dim = scattered, 0
-        source = split_cat_source(scattered)
+        if reduce_op not in ("sum", "avg"):
+            return site.skip(f"reduce op {reduce_op!r}: only 'sum' and 'avg' are decomposed")
+        site.reduce_op = reduce_op
+        site.tensor, site.dim, permutation, site.layout = before_permutes(scattered)
+        if permutation != tuple(range(len(permutation))):
+            site.permutation = permutation
+        source = split_cat_source(scattered) if not site.layout else None
         if source is not None and split_cat(source[0], group_size, source[1]) == (scattered, 0):
             site.tensor, site.dim = source
+        if site.tensor is not scattered:
             site.shapes["scattered"] = list(fake(site.tensor).shape)
         path: list[fx.Node] = []
         terms = _matmul_terms(site.tensor, path)
@@ -84,7 +89,7 @@ class MatmulReduceScatter(Pattern):
             )
         for node in path:
             # (the split/cat form's input is read by its N pieces, checked by split_cat)
-            if len(node.users) > 1 and not (node is site.tensor and site.tensor is not scattered):
+            if len(node.users) > 1 and not (node is site.tensor and site.tensor is not scattered and not site.layout):
                 return site.skip(
                     f"{node.name} has other users ({describe_users(node)}): the full product is "
                     "needed anyway; not yet supported"
@@ -194,7 +199,10 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
                 else:
                     own[mv.stream] = p  # the last step computes this rank's own chunk: no tail
     fused.finish(emit)
-    _finish(emit, site, [own[stream] for stream in sorted(own)], count)
+    results = [own[stream] for stream in sorted(own)]
+    if site.reduce_op == "avg":  # the sum over the ranks, divided by their number
+        results = [emit(aten.div.Tensor, p, site.group_size) for p in results]
+    _finish(emit, site, results, count)
 
 
 def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
@@ -214,7 +222,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
         if wait is not None:
             results.append(wait)
         site.steps.append(RingStep(chunk=s, compute=compute, start=previous, wait=wait))
-        scatters.append(emit(REDUCE_SCATTER, _stacked(emit, product, site, n), "sum", n, group))
+        scatters.append(emit(REDUCE_SCATTER, _stacked(emit, product, site, n), site.reduce_op, n, group))
     results.append(emit(WAIT, scatters[-1]))  # the tail
     fused.finish(emit)
     _finish(emit, site, results, count)
@@ -235,4 +243,6 @@ def _finish(emit: Emitter, site: Site, own: list[fx.Node], count: int) -> None:
     if site.dim:
         own = [emit(aten.reshape.default, piece, piece_shape(site, count)) for piece in own]
     joined = join(emit, own, site.dim)
+    if site.permutation:  # the collective's layout of the chunk (a movedim before it)
+        joined = emit(aten.permute.default, joined, list(site.permutation))
     site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))

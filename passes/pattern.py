@@ -64,7 +64,7 @@ class Pattern:
     def reserved(self, site: Site) -> set[fx.Node]:
         """The nodes of a match: its collective, wait and tensor, and its matmuls with the views
         around them."""
-        nodes = {site.collective, site.wait, site.tensor}
+        nodes = {site.collective, site.wait, site.tensor, *site.layout}
         for consumer in site.consumers:
             nodes |= {consumer.mm, *consumer.views, *consumer.permutes}
         return nodes

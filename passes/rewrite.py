@@ -38,3 +38,4 @@ def remove_replaced(graph: fx.Graph, sites: list[Site]) -> None:
     for site in sites:
         if site.steps:
             erase_if_unused(graph, [site.wait, site.collective])
+    graph.eliminate_dead_code()  # what only fed the collectives (a movedim before a gather, say)

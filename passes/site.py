@@ -82,6 +82,12 @@ class Site:
     # or the tensor that is scattered (before it), and the dim that is gathered / scattered.
     tensor: fx.Node | None = None
     dim: int = 0
+    # The permutation between the logical tensor and the collective's layout (movedim before a
+    # reduce-scatter, after an all-gather), None if there is none: all-gather, the logical chunk
+    # is the shard permuted so; reduce-scatter, the result is the logical chunk permuted so.
+    permutation: tuple[int, ...] | None = None
+    layout: list[fx.Node] = dataclasses.field(default_factory=list)  # copies / permutes between them
+    reduce_op: str = "sum"  # reduce-scatter: "sum" or "avg"
     consumers: list[Consumer] = dataclasses.field(default_factory=list)
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     decision: Decision = "pending"

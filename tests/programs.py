@@ -105,6 +105,20 @@ def attention(x, w1, w2):
     return funcol.reduce_scatter_tensor(out.transpose(1, 2).reshape(b, s, -1) @ w2, "sum", 1, _group())
 
 
+def spmd_layout(x, w1, w2):
+    """torchtitan's ``spmd_types`` forms: ``movedim(1, 0).contiguous()`` → gather on dim 0 →
+    ``movedim(0, 1)``, and the mirror around the reduce-scatter (permute + clone in aten)."""
+    h = funcol.all_gather_tensor(x.movedim(1, 0).contiguous(), 0, _group()).movedim(0, 1)  # [B, S, H]
+    y = torch.relu(h @ w1) @ w2
+    return funcol.reduce_scatter_tensor(y.movedim(1, 0).contiguous(), "sum", 0, _group()).movedim(0, 1)
+
+
+def averaged(x, w1, w2):
+    """A reduce-scatter with ``"avg"`` (forward only: funcol has no backward for it)."""
+    h = funcol.all_gather_tensor(x, 0, _group())
+    return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "avg", 0, _group())
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (12, 16)),
@@ -115,8 +129,11 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "row_local": (row_local, (6, 16)),
     "batch1_view": (batch1_view, (8, 16)),
     "attention": (attention, (2, 6, 16)),  # sharded on dim 1
+    "spmd_layout": (spmd_layout, (2, 6, 16)),  # sharded on dim 1
+    "averaged": (averaged, (12, 16)),
 }
-SHARD_DIM = {"sequence_parallel": 1, "attention": 1}
+SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1}
+FORWARD_ONLY = {"averaged"}
 HIDDEN, FFN = 16, 32
 
 
@@ -146,8 +163,16 @@ def forward_backward(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Ten
     return [o.detach() for o in outs] + [t.grad for t in inputs]
 
 
+def forward_only(fn: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Outputs of ``fn`` without autograd (an inference graph)."""
+    with torch.no_grad():
+        outs = fn(*inputs)
+    return list(outs) if isinstance(outs, tuple) else [outs]
+
+
 def compare(actual: list[torch.Tensor], expected: list[torch.Tensor], dtype: torch.dtype) -> list[dict]:
-    names = [f"out{i}" for i in range(len(actual) - 3)] + ["grad_x", "grad_w1", "grad_w2"]
+    grads = ["grad_x", "grad_w1", "grad_w2"] if len(actual) > 3 else []
+    names = [f"out{i}" for i in range(len(actual) - len(grads))] + grads
     tol = TOLERANCES[dtype]
     rows = []
     for name, a, e in zip(names, actual, expected):
@@ -174,10 +199,11 @@ def check_against_eager(program: str, dtype_name: str, options: dict | None = No
     dtype = DTYPES[dtype_name]
     fn, _ = PROGRAMS[program]
     inputs = make_inputs(program, dist.get_rank(), dist.get_world_size(), dtype)
-    expected = forward_backward(fn, inputs)
+    run = forward_only if program in FORWARD_ONLY else forward_backward
+    expected = run(fn, inputs)
     compiled = torch.compile(fn, backend="commfuse", options={**RING, **(options or {})}, dynamic=dynamic)
-    actual = forward_backward(compiled, inputs)
-    again = forward_backward(compiled, inputs)  # a second call reuses the compiled ring
+    actual = run(compiled, inputs)
+    again = run(compiled, inputs)  # a second call reuses the compiled ring
     return dict(
         diffs=compare(actual, expected, dtype),
         repeat_diffs=compare(again, expected, dtype),

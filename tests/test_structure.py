@@ -95,6 +95,30 @@ def test_sequence_parallel_chunk_order_of_every_rank(sp_graphs, kind):
         assert len(ring_exchanges(graph)) == 2 * (WORLD - 1)
 
 
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_spmd_types_movedim_form_of_every_rank(world, kind):
+    """torchtitan's spmd_types moves the sequence dim with movedim + contiguous (permute +
+    clone) around both collectives: the same rings on dim 1, every rank of 8."""
+    from programs import spmd_layout
+
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    w1, w2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+    graphs = post_grad_graphs(spmd_layout, x, w1, w2)
+    shard = "primals_1" if kind == "forward" else "tangents_1"
+    for r in range(WORLD):
+        graph, sites, _ = rewrite_as(graphs[kind], r, kind, pin_order=False, fusion=False)
+        ag, rs = sites
+        assert (ag.decision, ag.dim, ag.permutation, rs.decision, rs.dim, rs.permutation) == ("rewrite", 1, (1, 0, 2), "rewrite", 1, (1, 0, 2)), [
+            s.reason for s in sites
+        ]
+        if kind == "forward":  # (backward: the wgrad consumer sums partials, no concat)
+            assert flash_ag_order(graph, shard) == [[((r - k) % WORLD, k) for k in range(WORLD)]]
+        assert flash_rs_order(graph, rs) == [(r - 1 - i) % WORLD for i in range(WORLD)]
+        targets = {n.target for n in graph.nodes}
+        assert torch.ops._c10d_functional.all_gather_into_tensor.default not in targets
+        assert torch.ops._c10d_functional.reduce_scatter_tensor.default not in targets
+
+
 def test_dtensor_sequence_parallel_split_form_of_every_rank(world):
     """DTensor SP emits split + getitem (not slices) around its collectives: the feed-forward
     half of the Llama block under its TP + SP plan, read back on every rank of 8."""
