@@ -83,7 +83,9 @@ def run_pipeline(
             if site.decision == "rewrite":
                 before = set(graph.nodes)
                 rewrite_site(graph, site, PATTERNS[site.pattern], rank_of(site.group_name), tags, fuse)
-                site.region = [n.name for n in graph.nodes if n not in before]
+                emitted = [n for n in graph.nodes if n not in before]
+                site.region = [n.name for n in emitted]
+                fuse.reserved.update(emitted)  # a later site's fusion must not recompute this ring
         stable_topological_sort(graph)
         remove_replaced(graph, sites)
         if options.pin_order:

@@ -9,8 +9,8 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
 
 Each consumer reads the gathered tensor G as its left operand's rows (``G @ W``: chunks of output
 rows), through a transpose as its right operand's columns (``X @ G.t()``, FSDP's weight gather:
-chunks of output columns), or along the contracted dim (``G.t() @ dY``, ``A @ G``: each chunk a
-partial product, summed). A consumer whose other operand depends on G is left as is. Other
+chunks of output columns), or along the contracted dim (``G.t() @ dY``, ``A @ G``, and
+``AG(A, dim=-1) @ B``: each chunk a partial product, summed). A consumer whose other operand depends on G is left as is. Other
 readers of G (a save for backward) get it rebuilt from the pieces, never by a second gather.
 
 The cost model times (:func:`AllGatherMatmul.workload`): the consumers' matmuls with the dims
@@ -42,6 +42,7 @@ first one exposed)::
 from __future__ import annotations
 
 import itertools
+from math import prod
 
 import networkx as nx
 import torch.fx as fx
@@ -81,7 +82,8 @@ class AllGatherMatmul(Pattern):
             site.permutation = permutation
         if site.dim:
             site.shapes["gathered"] = list(fake(site.tensor).shape)
-        consumers = list(_matmul_consumers(site.tensor))
+        last = site.dim == fake(site.tensor).dim() - 1 and site.dim > 0  # a gather along the last dim
+        consumers = list(_matmul_consumers(site.tensor, int(last)))
         if not consumers:
             if any(u.target is ADDMM and u.args[0] is site.tensor for u in site.tensor.users):
                 return site.skip("the gathered tensor is only added as an addmm bias: no matmul to overlap with")
@@ -112,7 +114,19 @@ class AllGatherMatmul(Pattern):
         return None if kept else "no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes)
 
     def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
-        return chunk_problem(tensor, site.dim, count, static_shape(consumer.view or site.tensor))
+        view = static_shape(consumer.view or site.tensor)
+        if consumer.gathered_axis == 0:
+            return chunk_problem(tensor, site.dim, count, view)
+        # The last dim is gathered: pieces are column blocks of the 2-D view, contracted with
+        # row blocks of the right operand (``AG(A, dim=-1) @ B``).
+        if consumer.transposed or left_operand(consumer.mm) is not consumer.reads(site.tensor):
+            how = "through a transpose" if consumer.transposed else "as its right operand"
+            return f"the gathered dim is the last of {tensor}, read {how}: not yet supported"
+        if tensor[-1] % count:
+            return f"dim {site.dim} of {tensor} does not split into {count} pieces"
+        if view != [prod(tensor[:-1]), tensor[-1]]:
+            return f"{view} is not {tensor} with its leading dims flattened"
+        return None
 
     def workload(self, site: Site) -> Workload:
         """The consumers' matmuls in dims every rank shares (G as the matmul reads it, [rows,
@@ -121,7 +135,9 @@ class AllGatherMatmul(Pattern):
         matmuls = []
         for consumer in site.consumers:
             rows, width = static_shape(consumer.view or site.tensor)
-            if consumer.role == "rows":  # G[rows, width] @ W[width, n]
+            if consumer.gathered_axis == 1:  # G[rows, width] @ W[width, n], contracted in pieces
+                matmuls.append(Matmul(rows, width, width, "k"))
+            elif consumer.role == "rows":  # G[rows, width] @ W[width, n]
                 matmuls.append(Matmul(rows, width, width, "m"))
             elif consumer.role == "columns":  # X[m, width] @ G^T[width, rows]
                 matmuls.append(Matmul(width, width, rows, "n"))
@@ -139,23 +155,22 @@ class AllGatherMatmul(Pattern):
             _ring(graph, site, rank, tags, fuse)
 
 
-def _matmul_consumers(gathered: fx.Node):
+def _matmul_consumers(gathered: fx.Node, gathered_axis: int):
     """Matmuls reading the gathered tensor through a chain of reshapes and a chain of
-    ``permute(·, [1, 0])``, with the role the gathered dim plays in each."""
+    ``permute(·, [1, 0])``, with the role the gathered dim plays in each: the gathered axis of
+    the 2-D view (``gathered_axis``), swapped by a transpose, is the output's rows or the
+    contraction for the left operand, the contraction or the output's columns for the right."""
     for view, views in reshape_chains(gathered):
         for operand, permutes in transpose_chains(view):
-            transposed = len(permutes) % 2 == 1
+            axis = gathered_axis ^ (len(permutes) % 2)
             for mm in operand.users:
                 if mm.target not in MATMULS:
                     continue
                 left, right = left_operand(mm) is operand, right_operand(mm) is operand
                 if left == right:  # not an operand, or both (x @ x.t()): leave it
                     continue
-                if left:
-                    role = "contraction" if transposed else "rows"
-                else:
-                    role = "columns" if transposed else "contraction"
-                yield Consumer(mm=mm, views=views, role=role, permutes=permutes)
+                role = ("rows", "contraction")[axis] if left else ("contraction", "columns")[axis]
+                yield Consumer(mm=mm, views=views, role=role, permutes=permutes, gathered_axis=gathered_axis)
 
 
 class _Pieces:

@@ -49,6 +49,11 @@ def rows_of_pieces(emit: Emitter, matrix: fx.Node, site: Site, pieces: list[int]
 def piece_product(emit: Emitter, consumer: Consumer, site: Site, held: fx.Node, pieces: list[int], count: int) -> fx.Node:
     """The consumer matmul applied to ``held``, the gathered tensor's ``pieces`` in its layout.
     An addmm's bias is cut the same way (contraction partials get it once, in ``assemble``)."""
+    if consumer.gathered_axis == 1:  # y += held[:, K of pieces] @ B[K of pieces, :]
+        weight = right_operand(consumer.mm)
+        size = fake(weight).shape[0] // count
+        block = join(emit, [emit(aten.slice.Tensor, weight, 0, q * size, (q + 1) * size) for q in pieces], 0)
+        return emit(MM, as_rows(emit, held, fake(held).shape[-1]), block)
     width = fake(consumer.view or site.tensor).shape[-1]
     rows = as_rows(emit, held, width)  # as rows of the matmul's 2-D operand
     if consumer.role == "rows":  # y[rows of pieces] = held @ W
@@ -180,7 +185,7 @@ def chunk_problem(tensor: list[int], dim: int, count: int, rows_by_width: list[i
     if tensor[dim] % count:
         return f"dim {dim} of {tensor} does not split into {count} pieces"
     if dim == len(tensor) - 1:
-        return f"dim {dim} is the last dim (the contraction dim of Flash-AG's matmul, the columns of Flash-RS's): not yet supported"
+        return f"dim {dim} is the last dim of {tensor}: its pieces are columns of [{rows}, {width}], not rows"
     if [rows, width] != [prod(tensor[:-1]), tensor[-1]]:
         return f"[{rows}, {width}] is not {tensor} with its leading dims flattened"
     return None

@@ -102,9 +102,12 @@ class ScatterFusion:
     def build(cls, site: Site, count: int, reserved: set[fx.Node], enabled: bool) -> ScatterFusion:
         leading = list(fake(site.tensor).shape[:-1])
         roots: list[tuple[fx.Node, int] | None] = []
+        by_columns = 0 < site.dim == len(leading)  # scattered by columns: the left operands are read whole
         for term in site.consumers:
             rows = left_operand(term.mm)
-            if site.dim == 0:
+            if by_columns:
+                roots.append(None)
+            elif site.dim == 0:
                 roots.append((rows, 0))
             elif rows.target in RESHAPES and list(fake(rows.args[0]).shape[:-1]) == leading:
                 roots.append((rows.args[0], site.dim))  # [*leading, K]: pieces are blocks of dim d

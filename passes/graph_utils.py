@@ -108,6 +108,8 @@ class GraphSnapshot:
         body = [n for n in graph.nodes if n.op != "placeholder"]
         for node in body:  # cut every edge first: a failed rewrite may leave nodes out of order
             node.args, node.kwargs = (), {}
+        for node in [*graph.nodes]:  # (and edges from nodes no longer in the graph)
+            node.users.clear() if node.op != "placeholder" else None
         for node in body:
             graph.erase_node(node)
         placeholders = iter([n for n in graph.nodes if n.op == "placeholder"])

@@ -8,7 +8,9 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
         -> reduce_scatter_tensor(·, "sum" | "avg", N, group) -> wait_tensor
 
 The scattered tensor P is a sum of matmul terms (the dX of q/k/v or of w1/w3; Inductor's
-``addmm(a, b, c)`` = ``a + b @ c`` is one more term plus those of ``a``). A product also read
+``addmm(a, b, c)`` = ``a + b @ c`` is one more term plus those of ``a``). Scattered along the
+last dim, each rank's chunk is a block of the products' columns, computed from column blocks of
+the right operands (the left ones read whole). A product also read
 elsewhere is left alone (the full product is needed anyway), with the reason.
 
 The cost model times (:func:`MatmulReduceScatter.workload`): the terms' matmuls with the dims of
@@ -36,6 +38,7 @@ slice s's collective overlapping slice s + 1's matmuls (the last one is the tail
 from __future__ import annotations
 
 import itertools
+from math import prod
 
 import networkx as nx
 import torch.fx as fx
@@ -45,7 +48,7 @@ from commfuse_compile.schedules import flash_rs_steps, pieces_per_chunk, slice_p
 
 from .chunks import chunk_problem, cut, join, matmul_like, matmul_problem, piece_shape, sum_nodes
 from .fusion import Fuse
-from .graph_utils import ADDMM, MATMULS, REDUCE_SCATTER, RESHAPES, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape, target_name
+from .graph_utils import ADDMM, MATMULS, MM, REDUCE_SCATTER, RESHAPES, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape, target_name
 from .layout import before_permutes, single_wait, split_cat, split_cat_source
 from .pattern import Pattern
 from .site import SYMBOLIC_SIZES, Consumer, RingStep, Site, coalesced_site
@@ -110,7 +113,15 @@ class MatmulReduceScatter(Pattern):
         return None
 
     def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
-        return chunk_problem(tensor, site.dim, count, static_shape(consumer.mm))
+        product = static_shape(consumer.mm)
+        if not _by_columns(site):
+            return chunk_problem(tensor, site.dim, count, product)
+        # Scattered along the last dim: pieces are column blocks of every product.
+        if tensor[-1] % count:
+            return f"dim {site.dim} of {tensor} does not split into {count} pieces"
+        if product != [prod(tensor[:-1]), tensor[-1]]:
+            return f"{product} is not {tensor} with its leading dims flattened"
+        return None
 
     def workload(self, site: Site) -> Workload:
         """The terms' matmuls ``A[rows, k] @ B[k, width]`` in dims every rank shares (a term's
@@ -119,7 +130,7 @@ class MatmulReduceScatter(Pattern):
         matmuls = []
         for term in site.consumers:
             rows, width = static_shape(term.mm)
-            matmuls.append(Matmul(rows, width, width, "m"))
+            matmuls.append(Matmul(rows, width, width, "n" if _by_columns(site) else "m"))
         chunk = fake(site.wait)
         return Workload(self.name, site.group_size, tuple(matmuls), chunk.numel() * chunk.element_size(), fake(site.consumers[0].mm).dtype)
 
@@ -183,7 +194,7 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
         for sub in step:
             partial = {}
             for mv in sub:  # this step's products of the piece
-                compute = [matmul_like(emit, term, fused.rows(emit, t, [mv.piece])) for t, term in enumerate(site.consumers)]
+                compute = _products(emit, site, fused, [mv.piece], count)
                 partial[mv.stream] = (compute, sum_nodes(emit, compute))
             for mv in sub:  # plus the partial sum of the ranks before, waited after the matmuls
                 compute, p = partial[mv.stream]
@@ -215,7 +226,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     results: list[fx.Node] = []
     for s in range(k):
         carried = slice_pieces(n, k, s)
-        compute = [matmul_like(emit, term, fused.rows(emit, t, carried)) for t, term in enumerate(site.consumers)]
+        compute = _products(emit, site, fused, carried, count)
         product = sum_nodes(emit, compute)
         previous = scatters[-1] if scatters else None
         wait = emit(WAIT, previous) if previous is not None else None  # after this slice's matmul
@@ -226,6 +237,35 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     results.append(emit(WAIT, scatters[-1]))  # the tail
     fused.finish(emit)
     _finish(emit, site, results, count)
+
+
+def _by_columns(site: Site) -> bool:
+    """Scattered along the last dim (``reduce_scatter(A @ B, scatter_dim=-1)``): each rank's
+    chunk is a block of the products' columns."""
+    return 0 < site.dim == fake(site.tensor).dim() - 1
+
+
+def _products(emit: Emitter, site: Site, fused, pieces: list[int], count: int) -> list[fx.Node]:
+    """Each term's product on ``pieces``: the rows of its left operand that belong to them (from
+    the fused region where there is one), or, scattered by columns, the columns of its right
+    operand (and of an addmm's bias) with the left operand read whole."""
+    if not _by_columns(site):
+        return [matmul_like(emit, term, fused.rows(emit, t, pieces)) for t, term in enumerate(site.consumers)]
+    products = []
+    for term in site.consumers:
+        b = right_operand(term.mm)
+        columns = _column_blocks(emit, b, 1, pieces, count)
+        if term.mm.target is ADDMM and term.role != "product":
+            bias = term.mm.args[0]
+            products.append(emit(ADDMM, _column_blocks(emit, bias, fake(bias).dim() - 1, pieces, count), left_operand(term.mm), columns))
+        else:
+            products.append(emit(MM, left_operand(term.mm), columns))
+    return products
+
+
+def _column_blocks(emit: Emitter, tensor: fx.Node, axis: int, pieces: list[int], count: int) -> fx.Node:
+    size = fake(tensor).shape[axis] // count
+    return join(emit, [emit(aten.slice.Tensor, tensor, axis, q * size, (q + 1) * size) for q in pieces], axis)
 
 
 def _stacked(emit: Emitter, product: fx.Node, site: Site, n: int) -> fx.Node:

@@ -38,6 +38,10 @@ class Consumer:
     # Flash-AG only: the ``permute(·, [1, 0])`` chain between view and matmul (FSDP's
     # reshard-after-forward backward reads ``W.t().t()``); an odd count is a transpose.
     permutes: tuple[fx.Node, ...] = ()
+    # Flash-AG only: which axis of the gathered tensor's 2-D view is gathered: 0, its rows (every
+    # dim but the last flattened), or 1, its last dim (a gather along the contraction dim of
+    # ``AG(A, dim=-1) @ B``).
+    gathered_axis: int = 0
 
     @property
     def view(self) -> fx.Node | None:

@@ -119,6 +119,20 @@ def averaged(x, w1, w2):
     return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "avg", 0, _group())
 
 
+def last_dim(x, w1, w2):
+    """A gather along the left operand's last (contraction) dim, ``AG(x, dim=-1) @ B`` with B
+    replicated: each step multiplies a column block of x with a row block of B. Its backward is
+    a reduce-scatter along the last dim (output columns)."""
+    h = funcol.all_gather_tensor(x, 1, _group())  # [rows, K]
+    k = h.shape[-1]
+    # replicated; made in fp32 and rounded once (Inductor's bf16 linspace rounds otherwise than eager's)
+    mix = (torch.linspace(-1.0, 1.0, k * HIDDEN).view(k, HIDDEN) / k**0.5).to(h.dtype)
+    # (silu, not relu: bf16 partial products round otherwise than one matmul, and a relu mask
+    # flipped by that rounding would change a gradient by a whole value)
+    y = F.silu((h @ mix) @ w1) @ w2
+    return funcol.reduce_scatter_tensor(y, "sum", 0, _group())
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (12, 16)),
@@ -131,8 +145,9 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "attention": (attention, (2, 6, 16)),  # sharded on dim 1
     "spmd_layout": (spmd_layout, (2, 6, 16)),  # sharded on dim 1
     "averaged": (averaged, (12, 16)),
+    "last_dim": (last_dim, (24, 4)),  # sharded on dim 1
 }
-SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1}
+SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1}
 FORWARD_ONLY = {"averaged"}
 HIDDEN, FFN = 16, 32
 

@@ -40,6 +40,9 @@ EXPECTED_SITES = {
     "batch1_view": REWRITTEN_EVERYWHERE,
     "spmd_layout": REWRITTEN_EVERYWHERE,
     "averaged": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
+    # Forward: the gather along x's last (contraction) dim; backward: its reduce-scatter along
+    # the last dim (output columns).
+    "last_dim": REWRITTEN_EVERYWHERE,
 }
 # Sites whose steps must also compute fused row-local ops (``fusion`` is on by default), and
 # an op each must include. row_local: the replicated matmul after the gather, and its gradient
@@ -74,7 +77,7 @@ def test_ring_exchange_does_not_leak_work(ranks):
 # bf16 where the layout differs (leading_dims and reused add no bf16 path canonical lacks);
 # attention and the dim-1 form in fp32 are the Llama block's (test_tp_llama.py, every schedule).
 CASES = [(p, "fp32") for p in EXPECTED_SITES if p not in ("attention", "batch1_view", "sequence_parallel")] + [
-    (p, "bf16") for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged")
+    (p, "bf16") for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim")
 ]
 
 
@@ -138,6 +141,7 @@ SCHEDULE_CASES = [
     ("batch1_view", "fp32", "bidirectional", 2, True),  # pieces of a [1, S/N, H] shard: blocks of rows
     ("spmd_layout", "bf16", "slicing", 2, True),  # movedim around both collectives, sliced
     ("averaged", "fp32", "slicing", 2, True),  # sliced reduce-scatters keep "avg"
+    ("last_dim", "fp32", "bidirectional", 1, True),  # contraction-dim gather, column scatter
 ]
 
 

@@ -206,12 +206,30 @@ def _sites_of(fn, *inputs, **options):
     return commfuse_compile.last_report().sites
 
 
-def test_skip_gather_along_the_contraction_dim(world):
+def test_gather_along_the_last_dim(world):
+    """``AG(x, dim=-1) @ W`` (PyTorch's async-TP test form): the gathered dim is contracted, each
+    step multiplies a column block of x with the matching row block of W. As the right operand's
+    columns (``W @ AG(x, dim=-1)``) it is not cut yet, and says so; through a transpose
+    (``W @ AG(x, dim=-1).t()``) the permute is followed and the gathered dim is rows again."""
+
     def f(x, w):
         return funcol.all_gather_tensor(x, 1, world) @ w
 
     (site,) = _sites_of(f, torch.randn(4, 2), torch.randn(16, 4))
-    assert site.action == "skipped" and "contraction dim" in site.reason
+    assert site.action == "rewritten" and "contraction0" in site.shapes, site.reason
+    assert len(site.steps) == WORLD and all(len(step.compute) == 1 for step in site.steps)
+
+    def g(x, w):
+        return w @ funcol.all_gather_tensor(x, 1, world)
+
+    (site,) = _sites_of(g, torch.randn(4, 2), torch.randn(3, 4))
+    assert site.action == "skipped" and "read as its right operand: not yet supported" in site.reason, site.reason
+
+    def h(x, w):
+        return w @ funcol.all_gather_tensor(x, 1, world).t()
+
+    (site,) = _sites_of(h, torch.randn(4, 2), torch.randn(3, 16))
+    assert site.action == "rewritten" and (site.dim, site.shapes.get("contraction0")) == (0, [3, 16]), (site.reason, site.shapes)
 
 
 def test_skip_right_operand_depends_on_gather(world):
