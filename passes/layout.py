@@ -68,11 +68,14 @@ def before_permutes(node: fx.Node) -> tuple[fx.Node, int, tuple[int, ...], list[
     return node, perm[0], perm, passed
 
 
-def single_wait(node: fx.Node) -> fx.Node | None:
-    """The ``wait_tensor`` that is a collective's only reader, if so."""
-    users = list(node.users)
-    if len(users) == 1 and users[0].target is WAIT:
-        return users[0]
+def single_wait(node: fx.Node, also_output: bool = False) -> fx.Node | None:
+    """The ``wait_tensor`` that is a collective's only reader, if so; with ``also_output``, the
+    graph output may read the collective too (selective activation checkpointing saves it
+    for backward, which waits on it again)."""
+    waits = [u for u in node.users if u.target is WAIT]
+    others = [u for u in node.users if u.target is not WAIT]
+    if len(waits) == 1 and all(also_output and u.op == "output" for u in others):
+        return waits[0]
     return None
 
 

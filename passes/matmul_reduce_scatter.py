@@ -5,7 +5,7 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
     sum of mm / addmm terms, joined by add and reshape
         [-> split(dim d) -> getitem × N -> cat(dim 0)]       scatter on dim d != 0 (or N slices)
         [-> permute / clone ...]                             or movedim(d, 0)[.contiguous()]
-        -> reduce_scatter_tensor(·, "sum" | "avg", N, group) -> wait_tensor
+        -> reduce_scatter_tensor(·, "sum" | "avg", N, group) -> wait_tensor [and graph output]
 
 The scattered tensor P is a sum of matmul terms (the dX of q/k/v or of w1/w3; Inductor's
 ``addmm(a, b, c)`` = ``a + b @ c`` is one more term plus those of ``a``). Scattered along the
@@ -66,7 +66,7 @@ class MatmulReduceScatter(Pattern):
         if rs.target is not REDUCE_SCATTER:
             return coalesced_site(self.name, rs, graph_kind)
         scattered, reduce_op, group_size, group_name = rs.args[:4]
-        site = Site(self.name, graph_kind, rs, single_wait(rs), group_name, group_size)
+        site = Site(self.name, graph_kind, rs, single_wait(rs, also_output=True), group_name, group_size)
         site.shapes["input"] = list(fake(scattered).shape)
         if static_shape(scattered) is None:
             return site.skip(SYMBOLIC_SIZES)
@@ -98,6 +98,8 @@ class MatmulReduceScatter(Pattern):
                     "needed anyway; not yet supported"
                 )
         site.consumers = terms
+        if any(u.op == "output" for u in rs.users):
+            site.notes.append("its result is also a graph output (saved for backward): the output is this rank's chunk, and backward's wait on it does nothing")
         for i, term in enumerate(terms):
             site.shapes[f"lhs{i}"] = list(fake(left_operand(term.mm)).shape)
             site.shapes[f"rhs{i}"] = list(fake(right_operand(term.mm)).shape)
@@ -285,4 +287,6 @@ def _finish(emit: Emitter, site: Site, own: list[fx.Node], count: int) -> None:
     joined = join(emit, own, site.dim)
     if site.permutation:  # the collective's layout of the chunk (a movedim before it)
         joined = emit(aten.permute.default, joined, list(site.permutation))
-    site.wait.replace_all_uses_with(emit(aten.reshape.default, joined, list(fake(site.wait).shape)))
+    result = emit(aten.reshape.default, joined, list(fake(site.wait).shape))
+    site.wait.replace_all_uses_with(result)
+    site.collective.replace_all_uses_with(result, delete_user_cb=lambda user: user.op == "output")  # a saved result

@@ -133,6 +133,31 @@ def last_dim(x, w1, w2):
     return funcol.reduce_scatter_tensor(y, "sum", 0, _group())
 
 
+def _save_reduce_scatter(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = op is torch.ops._c10d_functional.reduce_scatter_tensor.default
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _squared_mlp(x, w1, w2):
+    h = funcol.all_gather_tensor(x, 0, _group())
+    out = funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, _group())
+    return out * out  # (its backward reads out)
+
+
+def saved_scatter(x, w1, w2):
+    """Per-op selective activation checkpointing that saves the reduce-scatter: the forward
+    graph's collective is read by its wait and by the graph output (saved for backward, which
+    waits on it again); everything else is recomputed in backward."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context = functools.partial(create_selective_checkpoint_contexts, _save_reduce_scatter)
+    return checkpoint(_squared_mlp, x, w1, w2, use_reentrant=False, context_fn=context)
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (12, 16)),
@@ -146,6 +171,7 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "spmd_layout": (spmd_layout, (2, 6, 16)),  # sharded on dim 1
     "averaged": (averaged, (12, 16)),
     "last_dim": (last_dim, (24, 4)),  # sharded on dim 1
+    "saved_scatter": (saved_scatter, (12, 16)),
 }
 SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1}
 FORWARD_ONLY = {"averaged"}

@@ -43,6 +43,8 @@ EXPECTED_SITES = {
     # Forward: the gather along x's last (contraction) dim; backward: its reduce-scatter along
     # the last dim (output columns).
     "last_dim": REWRITTEN_EVERYWHERE,
+    # Backward recomputes the forward gather (a second all-gather → matmul) before its own.
+    "saved_scatter": REWRITTEN_EVERYWHERE[:3] + [("backward", "all_gather_matmul", "rewritten"), ("backward", "matmul_reduce_scatter", "rewritten")],
 }
 # Sites whose steps must also compute fused row-local ops (``fusion`` is on by default), and
 # an op each must include. row_local: the replicated matmul after the gather, and its gradient
