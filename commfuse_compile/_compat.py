@@ -39,6 +39,15 @@ try:
 except ImportError as err:  # pragma: no cover
     raise _missing("torch._inductor.pattern_matcher.stable_topological_sort", err) from err
 
+try:  # explain(codegen=False): Inductor's steps before code generation
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+    from torch._inductor import virtualized
+    from torch._inductor.compile_fx import _recursive_post_grad_passes as post_grad_passes_of
+    from torch._inductor.compile_fx import fake_tensor_prop
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+except ImportError as err:  # pragma: no cover
+    raise _missing("torch._inductor.compile_fx._recursive_post_grad_passes / fake_tensor_prop", err) from err
+
 try:
     from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 except ImportError as err:  # pragma: no cover
@@ -46,6 +55,11 @@ except ImportError as err:  # pragma: no cover
 
 __all__ = [
     "CustomInferenceAwareGraphPass",
+    "fake_tensor_prop",
+    "make_boxed_func",
+    "post_grad_passes_of",
+    "view_to_reshape",
+    "virtualized",
     "get_hash_for_files",
     "preserve_node_ordering",
     "register_work",

@@ -101,6 +101,7 @@ def commfuse(
     example_inputs: Sequence[Any],
     options: Mapping[str, Any] | None = None,
     mode: str | None = None,
+    _inner_compile: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """Compile ``gm`` with Inductor, rewriting collectives + matmuls into CommFuse rings.
 
@@ -113,8 +114,10 @@ def commfuse(
             (``"reduce-overhead"``: CUDA graphs; ``"max-autotune"``: autotuned kernels and CUDA
             graphs; ``"max-autotune-no-cudagraphs"``). torch.compile passes ``mode`` or
             ``options``, never both: with commfuse options, give ``options={"mode": ...}``.
+        _inner_compile: Inductor's per-graph compile to use instead of its own (``explain``
+            plans without generating code this way; never with a cache).
     """
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     opts = CommfuseOptions.from_user(_with_mode(options, mode))
     report = new_report({k: getattr(opts, k) for k in opts.valid_keys()})
@@ -122,6 +125,7 @@ def commfuse(
     compiled = compile_fx(
         gm,
         example_inputs,
+        inner_compile=_inner_compile or compile_fx_inner,
         config_patches={**opts.inductor_config(), "post_grad_custom_post_pass": CommfusePass(opts, report)},
     )
     report.cache_hits = _cache_hits() - hits_before

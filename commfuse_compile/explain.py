@@ -15,6 +15,7 @@ DTensor plans, functional collectives — can be built for 8 ranks on a laptop;
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -52,6 +53,7 @@ def explain(
     *example_inputs: Any,
     options: Mapping[str, Any] | None = None,
     backward: bool = True,
+    codegen: bool = True,
 ) -> Report:
     """Compile ``model_or_fn`` on ``example_inputs`` as ``backend="commfuse"`` would, forward
     and (if ``backward`` and an output needs grad) backward, and return what the pass did:
@@ -60,6 +62,11 @@ def explain(
     Runs inside :func:`fake_world` (no communication happens); resets Dynamo's caches and
     bypasses Inductor's, so the pass runs on every graph. Raises ``RuntimeError`` without a
     fake process group: under a real one, explaining would run the collectives.
+
+    ``codegen=False`` stops each graph's compile after Inductor's post-grad passes (the
+    commfuse pass is the last of them), so the records and rewritten graphs are the same but
+    no kernel is generated: seconds instead of a minute for a model, and the model runs
+    eagerly (its unrewritten graphs) to reach the backward.
     """
     from torch._inductor import config as inductor_config
 
@@ -74,7 +81,7 @@ def explain(
     CommfuseOptions.from_user(options)  # bad options fail here, naming the option
     torch._dynamo.reset()
     seen = len(reports())
-    backend = functools.partial(commfuse, options=options)
+    backend = functools.partial(commfuse, options=options, _inner_compile=None if codegen else _post_grad_only)
     with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         outputs = torch.compile(model_or_fn, backend=backend)(*example_inputs)
         grads = [o for o in _tensors(outputs) if o.requires_grad]
@@ -82,6 +89,20 @@ def explain(
             sum(o.float().sum() for o in grads).backward()
     torch._dynamo.reset()
     return merge_reports(reports()[seen:])
+
+
+def _post_grad_only(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable[..., Any]:
+    """Inductor's per-graph compile up to and including its post-grad passes, as
+    ``fx_codegen_and_compile`` runs them, then no code generation: the graph runs as it was."""
+    from ._compat import fake_tensor_prop, make_boxed_func, post_grad_passes_of, view_to_reshape, virtualized
+
+    runnable = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    view_to_reshape(gm)
+    with torch.no_grad():
+        fake_mode = fake_tensor_prop(gm, example_inputs)
+    with virtualized.V.set_fake_mode(fake_mode):
+        post_grad_passes_of(gm, is_inference=kwargs.get("is_inference", False))
+    return make_boxed_func(runnable.forward)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -23,20 +23,29 @@ from commfuse_compile.report import Report
 from .all_gather_matmul import AllGatherMatmul
 from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
-from .graph_utils import GraphSnapshot, dataflow
+from .graph_utils import GraphSnapshot, c10d, dataflow
 from .matmul_reduce_scatter import MatmulReduceScatter
 from .order import pin_ring_order
-from .pattern import Pattern
+from .pattern import Pattern, Undecomposed
 from .plan import plan_site
 from .report import record_sites
 from .rewrite import remove_replaced, rewrite_site
 from .site import Site
 
-__all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
+__all__ = ["PATTERNS", "UNDECOMPOSED", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
 
 # Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys).
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter())}
-_BY_COLLECTIVE = {target: p for p in PATTERNS.values() for target in p.collectives}
+# Collectives recorded (as skips, with the reason) but not decomposed yet.
+UNDECOMPOSED: dict[str, Pattern] = {
+    p.name: p
+    for p in (
+        Undecomposed("all_reduce", c10d.all_reduce.default, "all-reduce"),
+        Undecomposed("all_to_all", c10d.all_to_all_single.default, "all-to-all"),
+    )
+}
+_BY_NAME = {**PATTERNS, **UNDECOMPOSED}
+_BY_COLLECTIVE = {target: p for p in _BY_NAME.values() for target in p.collectives}
 
 
 def group_rank(group_name: str) -> int:
@@ -74,10 +83,10 @@ def run_pipeline(
     """
     snapshot = GraphSnapshot(graph)
     try:
-        sites = [plan_site(site, options, PATTERNS[site.pattern]) for site in find_sites(graph, kind)]
+        sites = [plan_site(site, options, _BY_NAME[site.pattern]) for site in find_sites(graph, kind)]
         plans = [plan_of(site) for site in sites]  # (before the rewrite erases the collectives)
         tags = itertools.count(1)  # same sites in the same order on every rank: tags match
-        reserved = set().union(*(PATTERNS[site.pattern].reserved(site) for site in sites)) - {None}
+        reserved = set().union(*(_BY_NAME[site.pattern].reserved(site) for site in sites)) - {None}
         fuse = Fuse(options.fusion, reserved)
         for site in sites:
             if site.decision == "rewrite":

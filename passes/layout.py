@@ -14,9 +14,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator
 
-import torch.fx as fx
-
 import torch
+import torch.fx as fx
 
 from .graph_utils import RESHAPES, SPLITS, WAIT, aten, fake
 
@@ -37,12 +36,16 @@ def compose(first: tuple[int, ...], then: tuple[int, ...]) -> tuple[int, ...]:
 def after_permutes(node: fx.Node, dim: int) -> tuple[fx.Node, int, tuple[int, ...], list[fx.Node]]:
     """From a gathered ``node`` whose gathered dim is ``dim``, the copies and permutes that are
     its only readers, one after another (``movedim(0, d)`` after an all-gather): the last of
-    them, where the gathered dim is now, the permutation they apply, and the nodes passed."""
+    them, where the gathered dim is now, the permutation they apply, and the nodes passed.
+    A permute that would make the gathered dim the last one is not passed: a matmul reads such
+    a transpose (``x @ AG(W).t()``, FSDP's weight gather) as its own operand's columns."""
     perm, passed = tuple(range(fake(node).dim())), []
     while len(node.users) == 1:
         (user,) = node.users
         if user.target is PERMUTE:
             order = tuple(d % len(perm) for d in user.args[1])
+            if order.index(dim) == len(order) - 1:
+                break
             perm, dim = compose(perm, order), order.index(dim)
         elif not is_copy(user):
             break

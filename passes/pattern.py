@@ -24,11 +24,17 @@ from typing import TYPE_CHECKING, ClassVar
 import networkx as nx
 import torch.fx as fx
 
+from commfuse_compile._compat import resolve_process_group
+
+from .graph_utils import fake
+from .layout import single_wait
+from .site import Site
+
 if TYPE_CHECKING:
     from commfuse_compile.cost_model import Workload
 
     from .fusion import Fuse
-    from .site import Consumer, Site
+    from .site import Consumer
 
 
 class Pattern:
@@ -68,3 +74,19 @@ class Pattern:
         for consumer in site.consumers:
             nodes |= {consumer.mm, *consumer.views, *consumer.permutes}
         return nodes
+
+
+class Undecomposed(Pattern):
+    """A collective commfuse sees but has no rewrite for yet (all-reduce, all-to-all): recorded
+    as a skip with its reason, so a report never hides a collective it left alone."""
+
+    flash = option = ""
+
+    def __init__(self, name: str, target, what: str):
+        self.name, self.collectives, self.what = name, frozenset({target}), what
+
+    def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+        group_name = node.args[-1]
+        site = Site(self.name, graph_kind, node, single_wait(node), group_name, resolve_process_group(group_name).size())
+        site.shapes["input"] = list(fake(node.args[0]).shape)
+        return site.skip(f"{self.what}: commfuse has no rewrite for it yet")

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from .graph_utils import left_operand, right_operand
 
-PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter"]
+PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all"]
 Decision = Literal["pending", "rewrite", "skip"]
 SYMBOLIC_SIZES = "symbolic sizes: chunks cannot be cut statically"
 

@@ -41,6 +41,21 @@ def test_explain_records_every_match_of_forward_and_backward(report):
         assert len(m.steps) == 2 * WORLD  # N steps of m = 2 pieces each
 
 
+def test_explain_without_codegen_records_the_same(report):
+    """codegen=False stops after Inductor's post-grad passes: the same matches, steps and
+    rewritten graphs, no kernels."""
+    with fake_world(WORLD):
+        inputs = [torch.randn(4, 16), torch.randn(16, 32), torch.randn(32, 16)]
+        planned = explain(mlp, *(t.requires_grad_() for t in inputs), options={"schedule": "ring", "chunks_per_rank": 2}, codegen=False)
+
+    def essence(r: Report) -> list:
+        return [(m.graph, m.kind, m.decision, m.reason, m.shapes, len(m.steps), m.fused) for m in r.matches]
+
+    assert essence(planned) == essence(report)
+    for kind, graph in planned.graphs.items():
+        assert len(graph.graph.nodes) == len(report.graphs[kind].graph.nodes)
+
+
 def test_explain_keeps_the_rewritten_graphs(report):
     assert set(report.graphs) == {"forward", "backward"}
     for graph in report.graphs.values():
