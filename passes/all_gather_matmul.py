@@ -5,12 +5,16 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
     all_gather_into_tensor(x, N, group) -> wait_tensor
         [-> split(dim 0) -> getitem × N -> cat(dim d)]    gather on dim d != 0 (or N slices)
         [-> permute / clone ...]                           movedim(0, d)[.contiguous()]
-        -> [reshape / clone ...] -> [permute(·, [1, 0]) ...] -> mm / addmm   one or more consumers
+        -> [reshape / clone / view(dtype) ...] -> [permute(·, [1, 0]) ...]
+        -> mm / addmm / _scaled_mm                           one or more consumers
 
 Each consumer reads the gathered tensor G as its left operand's rows (``G @ W``: chunks of output
 rows), through a transpose as its right operand's columns (``X @ G.t()``, FSDP's weight gather:
 chunks of output columns), or along the contracted dim (``G.t() @ dY``, ``A @ G``, and
-``AG(A, dim=-1) @ B``: each chunk a partial product, summed). A consumer whose other operand depends on G is left as is. Other
+``AG(A, dim=-1) @ B``: each chunk a partial product, summed). fp8 is gathered as its bytes
+(``view(uint8)``, viewed back as fp8): a ``_scaled_mm`` consumer reads rows, each piece with the
+rows of a rowwise ``scale_a`` (a tensorwise one whole). A consumer whose other operand depends
+on G is left as is. Other
 readers of G (a save for backward) get it rebuilt from the pieces, never by a second gather.
 
 The cost model times (:func:`AllGatherMatmul.workload`): the consumers' matmuls with the dims
@@ -52,10 +56,10 @@ from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_p
 
 from .chunks import assemble, chunk_problem, cut, in_layout, matmul_problem, output_axis, piece_product
 from .fusion import Fuse
-from .graph_utils import ADDMM, ALL_GATHER, MATMULS, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape
+from .graph_utils import ADDMM, ALL_GATHER, MATMULS, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
 from .layout import after_permutes, reshape_chains, single_wait, split_cat, transpose_chains
 from .pattern import Pattern
-from .site import SYMBOLIC_SIZES, Consumer, RingStep, Site, coalesced_site
+from .site import Consumer, RingStep, Site, coalesced_site
 
 
 class AllGatherMatmul(Pattern):
@@ -71,9 +75,7 @@ class AllGatherMatmul(Pattern):
             return coalesced_site(self.name, ag, graph_kind)
         shard, group_size, group_name = ag.args[:3]
         site = Site(self.name, graph_kind, ag, single_wait(ag), group_name, group_size)
-        site.shapes["shard"] = list(fake(shard).shape)
-        if static_shape(shard) is None:  # (checked first: symbolic sizes add sym_size readers)
-            return site.skip(SYMBOLIC_SIZES)
+        site.shapes["shard"] = shape_of(shard)
         if site.wait is None:
             return site.skip(f"all-gather is not read through a single wait_tensor (users: {describe_users(ag)})")
         site.tensor, site.dim = split_cat(site.wait, group_size, 0) or (site.wait, 0)
@@ -81,7 +83,7 @@ class AllGatherMatmul(Pattern):
         if permutation != tuple(range(len(permutation))):
             site.permutation = permutation
         if site.dim:
-            site.shapes["gathered"] = list(fake(site.tensor).shape)
+            site.shapes["gathered"] = shape_of(site.tensor)
         last = site.dim == fake(site.tensor).dim() - 1 and site.dim > 0  # a gather along the last dim
         consumers = list(_matmul_consumers(site.tensor, int(last)))
         if not consumers:
@@ -97,7 +99,7 @@ class AllGatherMatmul(Pattern):
         if not site.consumers:
             return site.skip("the other operand of every consuming matmul depends on the gathered tensor")
         for i, consumer in enumerate(site.consumers):
-            site.shapes[f"{consumer.role}{i}"] = list(fake(consumer.other_operand(site.tensor)).shape)
+            site.shapes[f"{consumer.role}{i}"] = shape_of(consumer.other_operand(site.tensor))
         return site
 
     # ---- plan ----------------------------------------------------------------------------
@@ -114,7 +116,9 @@ class AllGatherMatmul(Pattern):
         return None if kept else "no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes)
 
     def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
-        view = static_shape(consumer.view or site.tensor)
+        view = list(fake(consumer.view or site.tensor).shape)
+        if consumer.mm.target is SCALED_MM and (consumer.role != "rows" or consumer.gathered_axis):
+            return "a _scaled_mm reading the gathered dim as anything but its left operand's rows: not yet supported"
         if consumer.gathered_axis == 0:
             return chunk_problem(tensor, site.dim, count, view)
         # The last dim is gathered: pieces are column blocks of the 2-D view, contracted with
@@ -124,7 +128,7 @@ class AllGatherMatmul(Pattern):
             return f"the gathered dim is the last of {tensor}, read {how}: not yet supported"
         if tensor[-1] % count:
             return f"dim {site.dim} of {tensor} does not split into {count} pieces"
-        if view != [prod(tensor[:-1]), tensor[-1]]:
+        if not same_shape(view, [prod(tensor[:-1]), tensor[-1]]):
             return f"{view} is not {tensor} with its leading dims flattened"
         return None
 
@@ -134,7 +138,7 @@ class AllGatherMatmul(Pattern):
         between ranks, and a plan that read it could differ too) and the shard's bytes."""
         matmuls = []
         for consumer in site.consumers:
-            rows, width = static_shape(consumer.view or site.tensor)
+            rows, width = hinted_shape(consumer.view or site.tensor)
             if consumer.gathered_axis == 1:  # G[rows, width] @ W[width, n], contracted in pieces
                 matmuls.append(Matmul(rows, width, width, "k"))
             elif consumer.role == "rows":  # G[rows, width] @ W[width, n]
@@ -144,7 +148,7 @@ class AllGatherMatmul(Pattern):
             else:  # contraction: G^T[width, rows] @ dY[rows, n], or A[m, rows] @ G
                 matmuls.append(Matmul(width, rows, width, "k"))
         shard = fake(site.collective.args[0])
-        return Workload(self.name, site.group_size, tuple(matmuls), shard.numel() * shard.element_size(), fake(site.consumers[0].mm).dtype)
+        return Workload(self.name, site.group_size, tuple(matmuls), bytes_of(shard), fake(site.consumers[0].mm).dtype)
 
     # ---- emit ----------------------------------------------------------------------------
 
@@ -210,7 +214,7 @@ class _Pieces:
             consumer.mm.replace_all_uses_with(assemble(emit, consumer, parts, site.dim))
         if readers:
             whole = emit(aten.cat.default, self.held, site.dim)
-            if fake(whole).shape != fake(site.tensor).shape:  # pieces cut as rows (_shard_pieces)
+            if not same_shape(fake(whole).shape, fake(site.tensor).shape):  # pieces cut as rows (_shard_pieces)
                 whole = emit(aten.reshape.default, whole, list(fake(site.tensor).shape))
             site.tensor.replace_all_uses_with(whole)
             site.notes.append(f"gathered tensor rebuilt from the pieces for {', '.join(readers)}")
@@ -280,14 +284,21 @@ def _shard_pieces(emit: Emitter, site: Site, parts: int) -> list[fx.Node]:
     shard = site.collective.args[0]
     if site.permutation:  # the logical chunk: the shard as the gathered tensor is permuted after
         shard = emit(aten.permute.default, shard, list(site.permutation))
-    if site.dim == 0 and fake(shard).shape[0] % parts:
+    if site.dim == 0 and not divides(parts, fake(shard).shape[0]):
         shard = emit(aten.reshape.default, shard, [-1, fake(site.tensor).shape[-1]])
     return cut(emit, shard, site.dim, parts)
 
 
 def _in_dim_layout(emit: Emitter, gathered: fx.Node, n: int, d: int) -> fx.Node:
     """all_gather stacks the ranks' pieces on dim 0; put them side by side along d."""
-    return gathered if d == 0 else emit(aten.cat.default, cut(emit, gathered, 0, n), d)
+    if d == 0:
+        return gathered
+    if isinstance(fake(gathered).shape[0], int):
+        return emit(aten.cat.default, cut(emit, gathered, 0, n), d)
+    # A symbolic dim 0 (a dynamic batch): the blocks are the entries of [n, ...] (static indices).
+    shape = fake(gathered).shape
+    stacked = emit(aten.reshape.default, gathered, [n, shape[0] // n, *shape[1:]])
+    return emit(aten.cat.default, [emit(aten.select.int, stacked, 0, j) for j in range(n)], d)
 
 
 def _whole_tensor_readers(site: Site) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import Emitter, aten, fake
+from .graph_utils import Emitter, aten, fake, same_size
 
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -28,7 +28,7 @@ def attention_axes(node: fx.Node, axis: int) -> dict[fx.Node, int | None] | None
         return None
     if axis in (0, 1):
         return {q: axis, k: axis, v: axis}
-    if axis == 2 and fake(q).shape[2] == fake(k).shape[2]:
+    if axis == 2 and same_size(fake(q).shape[2], fake(k).shape[2]):
         return {q: 2, k: None, v: None}
     return None
 

@@ -13,7 +13,7 @@ from math import prod
 import torch
 import torch.fx as fx
 
-from .graph_utils import ADDMM, MM, Emitter, aten, fake, left_operand, right_operand, static_shape
+from .graph_utils import ADDMM, DTYPE_VIEW, MM, SCALED_MM, Emitter, aten, divides, fake, right_operand, same_shape
 from .site import Consumer, Site
 
 
@@ -37,9 +37,11 @@ def rows_of_pieces(emit: Emitter, matrix: fx.Node, site: Site, pieces: list[int]
     d = site.dim
     leading = list(fake(site.tensor).shape[:-1])
     width = fake(matrix).shape[1]
-    if d == 0:
+    if d == 0 and isinstance(fake(matrix).shape[0], int):
         size = fake(matrix).shape[0] // count
         return join(emit, [emit(aten.slice.Tensor, matrix, 0, q * size, (q + 1) * size) for q in pieces], 0)
+    # (with a symbolic dim among the leading ones, rows are cut in the un-flattened view too:
+    # the bounds of a row block would be symbolic)
     size = leading[d] // count
     unflat = emit(aten.reshape.default, matrix, [*leading, width])
     joined = join(emit, [emit(aten.slice.Tensor, unflat, d, q * size, (q + 1) * size) for q in pieces], d)
@@ -56,8 +58,12 @@ def piece_product(emit: Emitter, consumer: Consumer, site: Site, held: fx.Node, 
         return emit(MM, as_rows(emit, held, fake(held).shape[-1]), block)
     width = fake(consumer.view or site.tensor).shape[-1]
     rows = as_rows(emit, held, width)  # as rows of the matmul's 2-D operand
+    for view in consumer.views:  # the bytes as the matmul reads them (fp8 gathered as uint8)
+        if view.target is DTYPE_VIEW:
+            rows = emit(DTYPE_VIEW, rows, view.args[1])
     if consumer.role == "rows":  # y[rows of pieces] = held @ W
-        return matmul_like(emit, consumer, rows, _bias_of_pieces(emit, consumer, site, pieces, count))
+        bias = _bias_of_pieces(emit, consumer, site, pieces, count)
+        return matmul_like(emit, consumer, rows, bias, scale_rows(emit, consumer, site, pieces, count))
     other = consumer.other_operand(site.tensor)
     transposed = emit(aten.permute.default, rows, [1, 0])
     if consumer.role == "columns":  # y[:, columns of pieces] = X @ held^T
@@ -119,10 +125,14 @@ def assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int) -
     return y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape))
 
 
-def matmul_like(emit: Emitter, consumer: Consumer, rows: fx.Node, bias: fx.Node | None = None) -> fx.Node:
-    """The consumer's matmul (mm, addmm, or an addmm's product alone) applied to other rows
-    of its left operand; ``bias`` is the addmm's bias for those rows."""
+def matmul_like(emit: Emitter, consumer: Consumer, rows: fx.Node, bias: fx.Node | None = None, scale: fx.Node | None = None) -> fx.Node:
+    """The consumer's matmul (mm, addmm, an addmm's product alone, or ``_scaled_mm``) applied
+    to other rows of its left operand; ``bias`` is the addmm's bias for those rows, ``scale``
+    the ``_scaled_mm``'s ``scale_a`` for them."""
     matmul = consumer.mm
+    if matmul.target is SCALED_MM:
+        _, b, scale_a, *rest = matmul.args
+        return emit(SCALED_MM, rows, b, scale_a if scale is None else scale, *rest, **matmul.kwargs)
     if matmul.target is ADDMM and consumer.role != "product":
         return emit(ADDMM, matmul.args[0] if bias is None else bias, rows, right_operand(matmul))
     return emit(MM, rows, right_operand(matmul))
@@ -130,8 +140,7 @@ def matmul_like(emit: Emitter, consumer: Consumer, rows: fx.Node, bias: fx.Node 
 
 def as_rows(emit: Emitter, chunk: fx.Node, width: int) -> fx.Node:
     """``chunk`` as rows of the matmul's 2-D operand."""
-    shape = list(fake(chunk).shape)
-    if shape == [fake(chunk).numel() // width, width]:
+    if same_shape(fake(chunk).shape, [fake(chunk).numel() // width, width]):
         return chunk
     return emit(aten.reshape.default, chunk, [-1, width])
 
@@ -151,16 +160,30 @@ def piece_shape(site: Site, count: int) -> list[int]:
     return shape
 
 
+def scale_rows(emit: Emitter, consumer: Consumer, site: Site, pieces: list[int], count: int) -> fx.Node | None:
+    """A ``_scaled_mm``'s ``scale_a`` for the rows of ``pieces``: a rowwise scale ([M, 1]) is
+    cut with its rows, a tensorwise one (one element) applies to every piece whole."""
+    if consumer.mm.target is not SCALED_MM or fake(consumer.mm.args[2]).numel() == 1:
+        return None
+    rows = rows_of_pieces(emit, consumer.mm.args[2], site, pieces, count)
+    # A copy: as a view of the whole, Inductor may give the size-1 dim stride 0, which
+    # _scaled_mm refuses ("expected scale_a.stride(1) to be 1").
+    return emit(aten.clone.default, rows, memory_format=torch.contiguous_format)
+
+
 def matmul_problem(matmul: fx.Node) -> str | None:
-    """Why ``matmul`` (mm / addmm) cannot be computed on pieces of its rows at all, if so."""
+    """Why ``matmul`` (mm / addmm / _scaled_mm) cannot be computed on pieces of its rows at
+    all, if so."""
+    if matmul.target is SCALED_MM:
+        scale, rows = fake(matmul.args[2]), fake(matmul).shape[0]
+        if scale.numel() != 1 and not same_shape(scale.shape, [rows, 1]):
+            return f"_scaled_mm scale_a of shape {list(scale.shape)} is neither tensorwise nor rowwise [{rows}, 1]"
     if matmul.target is ADDMM:
         if matmul.kwargs:
             return "addmm with beta/alpha"
-        bias, out = static_shape(matmul.args[0]), static_shape(matmul)
-        if bias is None or (bias != out and len(bias) != 1):
+        bias, out = list(fake(matmul.args[0]).shape), list(fake(matmul).shape)
+        if not same_shape(bias, out) and len(bias) != 1:
             return f"addmm bias of shape {bias} is neither 1-D nor the output's shape {out}"
-    if static_shape(matmul) is None or static_shape(left_operand(matmul)) is None:
-        return "symbolic matmul shape"
     return None
 
 
@@ -174,18 +197,19 @@ def chunk_problem(tensor: list[int], dim: int, count: int, rows_by_width: list[i
     dim d > 0: pieces are not contiguous, so each is reshaped on its own; that is exact when the
     2-D view flattens every dim but the last, and d is not that last dim.
     """
-    if rows_by_width is None:
-        return "symbolic matmul shape"
     rows, width = rows_by_width
     if dim == 0:
-        per_piece, rest = divmod(prod(tensor), count)
-        if rest or per_piece % width or per_piece % tensor[-1]:
+        total = prod(tensor)
+        per_piece = total // count
+        if not (divides(count, total) and divides(width, per_piece) and divides(tensor[-1], per_piece)):
             return f"{tensor} does not split into {count} blocks of whole rows of [{rows}, {width}]"
+        if tensor[0] % count and not isinstance(per_piece, int):
+            return f"{tensor} does not split into {count} blocks along dim 0, and blocks of its rows would have a symbolic size"
         return None
     if tensor[dim] % count:
         return f"dim {dim} of {tensor} does not split into {count} pieces"
     if dim == len(tensor) - 1:
         return f"dim {dim} is the last dim of {tensor}: its pieces are columns of [{rows}, {width}], not rows"
-    if [rows, width] != [prod(tensor[:-1]), tensor[-1]]:
+    if not same_shape([rows, width], [prod(tensor[:-1]), tensor[-1]]):
         return f"[{rows}, {width}] is not {tensor} with its leading dims flattened"
     return None

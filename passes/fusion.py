@@ -39,7 +39,7 @@ from commfuse_compile._compat import stable_topological_sort
 
 from .attention import SDPA
 from .chunks import join, rows_of_pieces
-from .graph_utils import ADDMM, RESHAPES, Emitter, aten, fake, left_operand, right_operand
+from .graph_utils import ADDMM, RESHAPES, SCALED_MM, Emitter, aten, fake, left_operand, right_operand, same_shape
 from .pieces import Pieces
 from .regions import Region, backward_region, forward_region
 from .site import Site
@@ -72,7 +72,7 @@ class GatherFusion:
                 seeds.append([consumer.mm])
             else:  # rows of pieces are not a block until the output is viewed as [*leading, M]
                 shape = [*leading, fake(consumer.mm).shape[1]]
-                seeds.append([u for u in consumer.mm.users if u.target in RESHAPES and list(fake(u).shape) == shape])
+                seeds.append([u for u in consumer.mm.users if u.target in RESHAPES and same_shape(fake(u).shape, shape)])
         given = {node: site.dim for nodes in seeds for node in nodes}
         region = forward_region(graph, site, given, count, reserved) if enabled and given else None
         return cls(site, count, region, seeds)
@@ -109,12 +109,13 @@ class ScatterFusion:
                 roots.append(None)
             elif site.dim == 0:
                 roots.append((rows, 0))
-            elif rows.target in RESHAPES and list(fake(rows.args[0]).shape[:-1]) == leading:
+            elif rows.target in RESHAPES and same_shape(fake(rows.args[0]).shape[:-1], leading):
                 roots.append((rows.args[0], site.dim))  # [*leading, K]: pieces are blocks of dim d
             else:
                 roots.append(None)
         read_whole = [right_operand(t.mm) for t in site.consumers]
         read_whole += [t.mm.args[0] for t in site.consumers if t.mm.target is ADDMM and t.role != "product"]
+        read_whole += [scale for t in site.consumers if t.mm.target is SCALED_MM for scale in t.mm.args[2:4]]  # (cut as rows of the whole)
         given = dict(r for r in roots if r is not None)
         region = backward_region(given, count, reserved, read_whole, site.notes) if enabled and given else None
         return cls(site, count, region, roots)

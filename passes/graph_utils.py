@@ -9,6 +9,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -18,7 +19,12 @@ REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 WAIT = c10d.wait_tensor.default
 MM = aten.mm.default
 ADDMM = aten.addmm.default
-MATMULS = {MM, ADDMM}
+# ``_scaled_mm(A, B, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)``: an fp8
+# matmul, A's scale a scalar (tensorwise) or one per row ([M, 1], rowwise).
+SCALED_MM = aten._scaled_mm.default
+MATMULS = {MM, ADDMM, SCALED_MM}
+# A reinterpretation of the bytes as another dtype of the same size (fp8 is gathered as uint8).
+DTYPE_VIEW = aten.view.dtype
 SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 # Views that reinterpret a row-major tensor without moving data (they appear around mm for
 # leading dims: [B, S, H] -> [B*S, H] -> mm -> [B, S, M]).
@@ -38,12 +44,12 @@ def fake(node: Any) -> Any:
 
 
 def left_operand(matmul: fx.Node) -> fx.Node:
-    """``A`` of ``mm(A, B)`` or ``addmm(bias, A, B)``."""
+    """``A`` of ``mm(A, B)``, ``addmm(bias, A, B)`` or ``_scaled_mm(A, B, ...)``."""
     return matmul.args[1] if matmul.target is ADDMM else matmul.args[0]
 
 
 def right_operand(matmul: fx.Node) -> fx.Node:
-    """``B`` of ``mm(A, B)`` or ``addmm(bias, A, B)``."""
+    """``B`` of ``mm(A, B)``, ``addmm(bias, A, B)`` or ``_scaled_mm(A, B, ...)``."""
     return matmul.args[2] if matmul.target is ADDMM else matmul.args[1]
 
 
@@ -53,6 +59,58 @@ def static_shape(node: fx.Node) -> list[int] | None:
     if all(isinstance(s, int) for s in shape):
         return list(shape)
     return None
+
+
+# Sizes may be symbolic (``torch.compile``'s automatic dynamic shapes make a batch dim a
+# SymInt after the second batch size). Every question about them is asked so that it holds for
+# every value of the symbols and adds no guard: the graph was guarded before this pass ran, so
+# a guard added now would never be checked, and a rank-dependent hint must not steer a plan.
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """``a == b`` for every value of the symbols (ints or SymInts)."""
+    return statically_known_true(a == b)
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    """Two shapes (lists of ints / SymInts) equal for every value of the symbols."""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def divides(n: Any, size: Any) -> bool:
+    """``size % n == 0`` for every value of the symbols."""
+    return statically_known_true(size % n == 0)
+
+
+def hinted(size: Any) -> int:
+    """An int for a size: itself, or the example value a symbolic size was compiled with (for
+    the cost model only; every rank of a group compiles the same shapes, which the first-call
+    plan check verifies)."""
+    return size if isinstance(size, int) else optimization_hint(size)
+
+
+def hinted_shape(node: fx.Node) -> list[int]:
+    return [hinted(s) for s in fake(node).shape]
+
+
+def shape_of(node: fx.Node) -> list[int | str]:
+    """The node's shape for a record: ints, and symbolic sizes by their expression (``s0``)."""
+    return [s if isinstance(s, int) else str(s) for s in fake(node).shape]
+
+
+def symbolic_dims(node: fx.Node) -> list[int]:
+    """The dims of the node's shape whose size is symbolic."""
+    return [d for d, s in enumerate(fake(node).shape) if not isinstance(s, int)]
+
+
+def bytes_of(value: torch.Tensor) -> int:
+    """The tensor's size in bytes (at the hint of a symbolic size)."""
+    return hinted(value.numel()) * value.element_size()
+
+
+class SymbolicArgument(NotImplementedError):
+    """An emitted node would carry a symbolic size as a constant: the pass refuses the graph
+    (the caller restores it) rather than bake one example value into the code."""
 
 
 def dataflow(graph: fx.Graph) -> nx.DiGraph:
@@ -83,11 +141,25 @@ class Emitter:
         self.fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if "val" in n.meta])
 
     def __call__(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> fx.Node:
+        if target in RESHAPES and any(not isinstance(s, int) for s in args[1]):
+            args = (args[0], self._reshape_sizes(args[0], args[1]), *args[2:])
+        if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+            raise SymbolicArgument(f"{target}: a symbolic size among the arguments {args}")
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
         with self.fake_mode:
             node.meta["val"] = target(*fx.node.map_arg(args, fake), **fx.node.map_arg(kwargs, fake))
         return node
+
+    def _reshape_sizes(self, tensor: fx.Node, sizes: list[Any]) -> list[int]:
+        """The sizes of a reshape with its one symbolic size as -1 (a SymInt cannot be an
+        argument: its value differs from call to call)."""
+        with self.fake_mode:
+            shape = fake(tensor).reshape(list(sizes)).shape
+        symbolic = [d for d, s in enumerate(shape) if not isinstance(s, int)]
+        if len(symbolic) > 1:
+            raise SymbolicArgument(f"reshape of {tensor.name} to {list(shape)}: more than one symbolic size")
+        return [-1 if not isinstance(s, int) else s for s in shape]
 
 
 class GraphSnapshot:

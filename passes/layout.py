@@ -17,9 +17,10 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
-from .graph_utils import RESHAPES, SPLITS, WAIT, aten, fake
+from .graph_utils import DTYPE_VIEW, RESHAPES, SPLITS, WAIT, aten, fake, hinted, same_size
 
 PERMUTE = aten.permute.default
+SYM_SIZE = aten.sym_size.int
 
 
 def is_copy(node: fx.Node) -> bool:
@@ -76,7 +77,7 @@ def single_wait(node: fx.Node, also_output: bool = False) -> fx.Node | None:
     graph output may read the collective too (selective activation checkpointing saves it
     for backward, which waits on it again)."""
     waits = [u for u in node.users if u.target is WAIT]
-    others = [u for u in node.users if u.target is not WAIT]
+    others = [u for u in node.users if u.target is not WAIT and u.target is not SYM_SIZE]  # (sizes: see rewrite)
     if len(waits) == 1 and all(also_output and u.op == "output" for u in others):
         return waits[0]
     return None
@@ -93,10 +94,12 @@ def split_cat(tensor: fx.Node, pieces: int, split_dim: int) -> tuple[fx.Node, in
         if [g.args[1] if g.target is operator.getitem else None for g in parts] != list(range(pieces)):
             return None
     elif len(users) == pieces and all(u.target is aten.slice.Tensor for u in users):
-        parts = sorted(users, key=lambda u: u.args[2])
-        expected = [(split_dim, q * size, (q + 1) * size) for q in range(pieces)]
-        if [(dim_arg(u, 1) % ndim, *u.args[2:4]) for u in parts] != expected:
-            return None
+        # (bounds may be symbolic: s0-row pieces of a [N·s0, ...] gather are sliced at SymInt nodes)
+        parts = sorted(users, key=lambda u: hinted(fake(u.args[2])))
+        for q, part in enumerate(parts):
+            start, end = (fake(b) for b in part.args[2:4])
+            if dim_arg(part, 1) % ndim != split_dim or not (same_size(start, q * size) and same_size(end, (q + 1) * size)):
+                return None
     else:
         return None
     cats = {user for part in parts for user in part.users}
@@ -126,12 +129,19 @@ def dim_arg(node: fx.Node, position: int) -> int:
 
 
 def reshape_chains(node: fx.Node, views: tuple[fx.Node, ...] = ()) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:
-    """``node`` and every reshape (or copy) reached from it (with batch 1, DTensor's sequence
-    gather is ``all_gather → view [1, S, H] → view [S, H]``), with the reshapes on the way."""
+    """``node`` and every reshape (or copy, or same-size dtype view) reached from it (with batch
+    1, DTensor's sequence gather is ``all_gather → view [1, S, H] → view [S, H]``), with the
+    reshapes on the way."""
     yield node, views
     for user in node.users:
-        if user.target in RESHAPES or is_copy(user):
+        if user.target in RESHAPES or is_copy(user) or is_same_size_dtype_view(user):
             yield from reshape_chains(user, (*views, user))
+
+
+def is_same_size_dtype_view(node: fx.Node) -> bool:
+    """``x.view(dtype)`` to a dtype of the same element size (fp8 gathered as uint8 and viewed
+    back): the same shape, the same bytes."""
+    return node.target is DTYPE_VIEW and fake(node).element_size() == fake(node.args[0]).element_size()
 
 
 def transpose_chains(node: fx.Node, permutes: tuple[fx.Node, ...] = ()) -> Iterator[tuple[fx.Node, tuple[fx.Node, ...]]]:

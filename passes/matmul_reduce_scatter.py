@@ -2,7 +2,7 @@
 
 Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
 
-    sum of mm / addmm terms, joined by add and reshape
+    sum of mm / addmm / _scaled_mm terms, joined by add and reshape
         [-> split(dim d) -> getitem × N -> cat(dim 0)]       scatter on dim d != 0 (or N slices)
         [-> permute / clone ...]                             or movedim(d, 0)[.contiguous()]
         -> reduce_scatter_tensor(·, "sum" | "avg", N, group) -> wait_tensor [and graph output]
@@ -10,7 +10,8 @@ Matches (post-grad aten graph, functional collectives; ``[ ]`` is optional)::
 The scattered tensor P is a sum of matmul terms (the dX of q/k/v or of w1/w3; Inductor's
 ``addmm(a, b, c)`` = ``a + b @ c`` is one more term plus those of ``a``). Scattered along the
 last dim, each rank's chunk is a block of the products' columns, computed from column blocks of
-the right operands (the left ones read whole). A product also read
+the right operands (the left ones read whole). An fp8 ``_scaled_mm`` term takes the rows of its
+rowwise ``scale_a`` with its left operand's (a tensorwise one whole). A product also read
 elsewhere is left alone (the full product is needed anyway), with the reason.
 
 The cost model times (:func:`MatmulReduceScatter.workload`): the terms' matmuls with the dims of
@@ -46,12 +47,12 @@ import torch.fx as fx
 from commfuse_compile.cost_model import Matmul, Workload
 from commfuse_compile.schedules import flash_rs_steps, pieces_per_chunk, slice_pieces
 
-from .chunks import chunk_problem, cut, join, matmul_like, matmul_problem, piece_shape, sum_nodes
+from .chunks import chunk_problem, cut, join, matmul_like, matmul_problem, piece_shape, scale_rows, sum_nodes
 from .fusion import Fuse
-from .graph_utils import ADDMM, MATMULS, MM, REDUCE_SCATTER, RESHAPES, WAIT, Emitter, aten, c10d, describe_users, fake, left_operand, right_operand, ring_exchange_op, static_shape, target_name
+from .graph_utils import ADDMM, MATMULS, MM, REDUCE_SCATTER, RESHAPES, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, describe_users, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of, target_name
 from .layout import before_permutes, single_wait, split_cat, split_cat_source
 from .pattern import Pattern
-from .site import SYMBOLIC_SIZES, Consumer, RingStep, Site, coalesced_site
+from .site import Consumer, RingStep, Site, coalesced_site
 
 
 class MatmulReduceScatter(Pattern):
@@ -67,9 +68,7 @@ class MatmulReduceScatter(Pattern):
             return coalesced_site(self.name, rs, graph_kind)
         scattered, reduce_op, group_size, group_name = rs.args[:4]
         site = Site(self.name, graph_kind, rs, single_wait(rs, also_output=True), group_name, group_size)
-        site.shapes["input"] = list(fake(scattered).shape)
-        if static_shape(scattered) is None:
-            return site.skip(SYMBOLIC_SIZES)
+        site.shapes["input"] = shape_of(scattered)
         if site.wait is None:
             return site.skip(f"reduce-scatter is not read through a single wait_tensor (users: {describe_users(rs)})")
         if reduce_op not in ("sum", "avg"):
@@ -82,7 +81,7 @@ class MatmulReduceScatter(Pattern):
         if source is not None and split_cat(source[0], group_size, source[1]) == (scattered, 0):
             site.tensor, site.dim = source
         if site.tensor is not scattered:
-            site.shapes["scattered"] = list(fake(site.tensor).shape)
+            site.shapes["scattered"] = shape_of(site.tensor)
         path: list[fx.Node] = []
         terms = _matmul_terms(site.tensor, path)
         if terms is None:
@@ -101,27 +100,29 @@ class MatmulReduceScatter(Pattern):
         if any(u.op == "output" for u in rs.users):
             site.notes.append("its result is also a graph output (saved for backward): the output is this rank's chunk, and backward's wait on it does nothing")
         for i, term in enumerate(terms):
-            site.shapes[f"lhs{i}"] = list(fake(left_operand(term.mm)).shape)
-            site.shapes[f"rhs{i}"] = list(fake(right_operand(term.mm)).shape)
+            site.shapes[f"lhs{i}"] = shape_of(left_operand(term.mm))
+            site.shapes[f"rhs{i}"] = shape_of(right_operand(term.mm))
         return site
 
     # ---- plan ----------------------------------------------------------------------------
 
     def keep_computable(self, site: Site, tensor: list[int]) -> str | None:
         for term in site.consumers:  # every term is needed: refuse the site rather than drop one
+            if term.mm.target is SCALED_MM and _by_columns(site):
+                return f"{term.mm.name}: a _scaled_mm scattered by output columns: not yet supported"
             problem = (matmul_problem(term.mm) if term.role != "product" else None) or self.cut_problem(site, tensor, term, site.group_size)
             if problem:
                 return f"{term.mm.name}: {problem}"
         return None
 
     def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
-        product = static_shape(consumer.mm)
+        product = list(fake(consumer.mm).shape)
         if not _by_columns(site):
             return chunk_problem(tensor, site.dim, count, product)
         # Scattered along the last dim: pieces are column blocks of every product.
         if tensor[-1] % count:
             return f"dim {site.dim} of {tensor} does not split into {count} pieces"
-        if product != [prod(tensor[:-1]), tensor[-1]]:
+        if not same_shape(product, [prod(tensor[:-1]), tensor[-1]]):
             return f"{product} is not {tensor} with its leading dims flattened"
         return None
 
@@ -131,10 +132,10 @@ class MatmulReduceScatter(Pattern):
         shards it differs between ranks) and the bytes of one rank's output chunk."""
         matmuls = []
         for term in site.consumers:
-            rows, width = static_shape(term.mm)
+            rows, width = hinted_shape(term.mm)
             matmuls.append(Matmul(rows, width, width, "n" if _by_columns(site) else "m"))
         chunk = fake(site.wait)
-        return Workload(self.name, site.group_size, tuple(matmuls), chunk.numel() * chunk.element_size(), fake(site.consumers[0].mm).dtype)
+        return Workload(self.name, site.group_size, tuple(matmuls), bytes_of(chunk), fake(site.consumers[0].mm).dtype)
 
     def describe(self, site: Site) -> str:
         return f", {len(site.consumers)} matmuls summed per step" if len(site.consumers) > 1 else ""
@@ -168,7 +169,7 @@ def _matmul_terms(node: fx.Node, path: list[fx.Node]) -> list[Consumer] | None:
     chunk saves nothing).
     """
     path.append(node)
-    if node.target is ADDMM and not node.kwargs and fake(node.args[0]).shape == fake(node).shape:
+    if node.target is ADDMM and not node.kwargs and same_shape(fake(node.args[0]).shape, fake(node).shape):
         bias_terms = _matmul_terms(node.args[0], path)
         return None if bias_terms is None else [*bias_terms, Consumer(mm=node, role="product")]
     if node.target in MATMULS:
@@ -177,7 +178,7 @@ def _matmul_terms(node: fx.Node, path: list[fx.Node]) -> list[Consumer] | None:
         return _matmul_terms(node.args[0], path)
     if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
         a, b = node.args
-        if not all(isinstance(t, fx.Node) and fake(t).shape == fake(node).shape for t in (a, b)):
+        if not all(isinstance(t, fx.Node) and same_shape(fake(t).shape, fake(node).shape) for t in (a, b)):
             return None  # broadcasting add: not a sum of same-shape products
         left, right = _matmul_terms(a, path), _matmul_terms(b, path)
         return left + right if left is not None and right is not None else None
@@ -252,7 +253,10 @@ def _products(emit: Emitter, site: Site, fused, pieces: list[int], count: int) -
     the fused region where there is one), or, scattered by columns, the columns of its right
     operand (and of an addmm's bias) with the left operand read whole."""
     if not _by_columns(site):
-        return [matmul_like(emit, term, fused.rows(emit, t, pieces)) for t, term in enumerate(site.consumers)]
+        return [
+            matmul_like(emit, term, fused.rows(emit, t, pieces), scale=scale_rows(emit, term, site, pieces, count))
+            for t, term in enumerate(site.consumers)
+        ]
     products = []
     for term in site.consumers:
         b = right_operand(term.mm)

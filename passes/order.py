@@ -7,8 +7,17 @@ communication and compute again. We add two control dependencies per step:
     compute  after  start      (the transfer is in flight while the matmul runs)
     wait     after  compute    (the wait does not block the matmul)
 
-using Inductor's ``preserve_node_ordering`` (a ``control_deps`` higher-order op that the
-scheduler honours).
+and one more across steps and sites: every wait comes after the wait before it in the graph
+(ring exchanges and collectives alike). Each rank's graph differs in which piece a step
+computes, so the scheduler may interleave two independent chains (the m sub-rings of
+``chunks_per_rank=2``, or two sites) differently on different ranks, and one rank would wait
+on a transfer its peer starts only after a wait of its own: a deadlock (seen at 4 ranks with
+m = 2). With every rank waiting in one order, a rank blocked on transfer t has started every
+transfer up to t itself (each one's wait comes after its start), so the earliest transfer any
+rank is blocked on has been started by both ends.
+
+All of it goes through Inductor's ``preserve_node_ordering`` (a ``control_deps``
+higher-order op that the scheduler honours).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from torch.utils._ordered_set import OrderedSet
 
 from commfuse_compile._compat import preserve_node_ordering
 
+from .graph_utils import WAIT
 from .site import Site
 
 
@@ -30,4 +40,8 @@ def pin_ring_order(graph: fx.Graph, sites: list[Site]) -> None:
             for compute in step.compute:
                 deps.setdefault(compute, OrderedSet()).add(step.start)
             deps.setdefault(step.wait, OrderedSet()).update(step.compute)
+    if any(site.steps for site in sites):
+        waits = [node for node in graph.nodes if node.target is WAIT]
+        for before, after in zip(waits, waits[1:]):
+            deps.setdefault(after, OrderedSet()).add(before)
     preserve_node_ordering(graph, deps)

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
 
-from .graph_utils import fake
+from .graph_utils import shape_of
 from .layout import single_wait
 from .site import Site
 
@@ -88,5 +88,5 @@ class Undecomposed(Pattern):
     def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
         group_name = node.args[-1]
         site = Site(self.name, graph_kind, node, single_wait(node), group_name, resolve_process_group(group_name).size())
-        site.shapes["input"] = list(fake(node.args[0]).shape)
+        site.shapes["input"] = shape_of(node.args[0])
         return site.skip(f"{self.what}: commfuse has no rewrite for it yet")

@@ -16,9 +16,9 @@ from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.profiles import resolve_profile
 from commfuse_compile.schedules import pieces_per_chunk
 
-from .graph_utils import fake, static_shape
+from .graph_utils import fake
 from .pattern import Pattern
-from .site import SYMBOLIC_SIZES, Site
+from .site import Site, symbolic_problem
 
 NAMES = {"ring": "ring", "bidirectional": "bidirectional ring", "slicing": "slicing"}
 
@@ -31,9 +31,10 @@ def plan_site(site: Site, options: CommfuseOptions, pattern: Pattern) -> Site:
         return site.skip(f"disabled by option {pattern.option}=False")
     if site.group_size == 1:
         return site.skip("group size 1: nothing to exchange")
-    tensor = static_shape(site.tensor)
-    if tensor is None:
-        return site.skip(SYMBOLIC_SIZES)
+    symbolic = symbolic_problem(site)
+    if symbolic:
+        return site.skip(symbolic)
+    tensor = list(fake(site.tensor).shape)  # (ints, and at most one symbolic size)
     problem = pattern.keep_computable(site, tensor)
     if problem:
         return site.skip(problem)

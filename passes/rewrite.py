@@ -11,11 +11,13 @@ nodes are left for ``remove_replaced`` once the graph is sorted again.
 from __future__ import annotations
 
 import itertools
+import operator
 
 import torch.fx as fx
 
 from .fusion import Fuse
-from .graph_utils import erase_if_unused
+from .graph_utils import ALL_GATHER, Emitter, erase_if_unused, fake
+from .layout import SYM_SIZE
 from .pattern import Pattern
 from .site import Site
 
@@ -25,6 +27,20 @@ def rewrite_site(graph: fx.Graph, site: Site, pattern: Pattern, rank: int, tags:
     that ``fuse`` allows computed inside its steps."""
     site.rank = rank
     pattern.emit(graph, site, rank, tags, fuse)
+    _resize_readers(graph, site)
+
+
+def _resize_readers(graph: fx.Graph, site: Site) -> None:
+    """With a symbolic size, the collective's result may be read for its sizes alone
+    (``sym_size.int``): read them off its input instead, dim 0 times (all-gather) or divided
+    by (reduce-scatter) the group size, so the collective can go."""
+    scale = operator.mul if site.collective.target is ALL_GATHER else operator.floordiv
+    for reader in [u for u in site.collective.users if u.target is SYM_SIZE]:
+        dim = reader.args[1] % fake(site.collective).dim()
+        emit = Emitter(graph, before=reader)
+        size = emit(SYM_SIZE, site.collective.args[0], dim)
+        reader.replace_all_uses_with(emit(scale, size, site.group_size) if dim == 0 else size)
+        graph.erase_node(reader)
 
 
 def remove_replaced(graph: fx.Graph, sites: list[Site]) -> None:

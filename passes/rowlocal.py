@@ -15,9 +15,10 @@ from math import prod
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .attention import SDPA, attention_axes
-from .graph_utils import ADDMM, MM, RESHAPES, aten, fake
+from .graph_utils import ADDMM, MM, RESHAPES, aten, divides, fake, same_size
 
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 
@@ -27,12 +28,27 @@ def input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None
     """For ``node`` cut into ``count`` pieces along ``axis``: the axis each tensor input is cut
     along (None: read whole), or None if piece q of the output is not computable from piece q
     of its inputs."""
-    out = fake(node)
-    if isinstance(out, torch.Tensor) and (axis >= out.dim() or out.shape[axis] % count):
+    axes = _input_axes(node, axis, count)
+    if axes is None:
         return None
-    inputs = node.all_input_nodes
+    # Pieces are cut at sizes baked into the code: every cut axis must have a static size.
+    if any(along is not None and isinstance(fake(i), torch.Tensor) and not isinstance(fake(i).shape[along], int) for i, along in axes.items()):
+        return None
+    for i in node.all_input_nodes:  # symbolic sizes passed along (a reshape's sizes): read whole
+        if isinstance(fake(i), torch.SymInt):
+            axes.setdefault(i, None)
+    return axes
+
+
+def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None] | None:
+    out = fake(node)
+    if isinstance(out, torch.Tensor) and (axis >= out.dim() or not isinstance(out.shape[axis], int) or out.shape[axis] % count):
+        return None
+    inputs = [i for i in node.all_input_nodes if not isinstance(fake(i), torch.SymInt)]
+    if node.target not in RESHAPES and len(inputs) < len(node.all_input_nodes):
+        return None  # a symbolic size read as a value
     if not all(isinstance(fake(i), (torch.Tensor, tuple)) for i in inputs):
-        return None  # symbolic sizes among the inputs
+        return None
     target = node.target
     if target in RESHAPES:
         return _single(inputs[0], reshape_axis(list(out.shape), axis, list(fake(inputs[0]).shape), count))
@@ -70,11 +86,11 @@ def reshape_axis(shape: list[int], axis: int, other: list[int], count: int) -> i
     size/count·(trailing numel), a block of ``other``'s axis j exactly when j has the same leading
     numel and that length is a multiple of j's trailing numel."""
     leading, run = prod(shape[:axis]), shape[axis] // count * prod(shape[axis + 1 :])
-    for j, size in enumerate(other):
-        if prod(other[:j]) == leading and size > 1:
+    for j, size in enumerate(other):  # (sizes may be symbolic: asked without guards)
+        if same_size(prod(other[:j]), leading) and statically_known_true(size > 1):
             trailing = prod(other[j + 1 :])
-            return j if run % trailing == 0 and size % count == 0 else None
-        if prod(other[:j]) > leading:
+            return j if divides(trailing, run) and divides(count, size) else None
+        if not statically_known_true(prod(other[:j]) <= leading):
             break
     return None
 
@@ -99,7 +115,8 @@ def _matmul_axes(node: fx.Node, axis: int) -> dict[fx.Node, int | None] | None:
     axes = {a: 0, b: None}
     if isinstance(bias, fx.Node):
         bias_shape = fake(bias).shape
-        axes[bias] = 0 if len(bias_shape) == 2 and bias_shape[0] == fake(node).shape[0] > 1 else None
+        rows = fake(node).shape[0]
+        axes[bias] = 0 if len(bias_shape) == 2 and same_size(bias_shape[0], rows) and statically_known_true(rows > 1) else None
     return axes
 
 def _broadcast_axes(shape: torch.Size, inputs: list[fx.Node], axis: int) -> dict[fx.Node, int | None] | None:
@@ -107,9 +124,9 @@ def _broadcast_axes(shape: torch.Size, inputs: list[fx.Node], axis: int) -> dict
     for i in inputs:
         ishape = fake(i).shape
         aligned = axis - (len(shape) - len(ishape))
-        if aligned < 0 or ishape[aligned] == 1:
+        if aligned < 0 or same_size(ishape[aligned], 1):
             axes[i] = None
-        elif ishape[aligned] == shape[axis]:
+        elif same_size(ishape[aligned], shape[axis]):
             axes[i] = aligned
         else:
             return None

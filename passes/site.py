@@ -11,11 +11,10 @@ from typing import Literal
 
 import torch.fx as fx
 
-from .graph_utils import left_operand, right_operand
+from .graph_utils import fake, left_operand, right_operand
 
 PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all"]
 Decision = Literal["pending", "rewrite", "skip"]
-SYMBOLIC_SIZES = "symbolic sizes: chunks cannot be cut statically"
 
 
 @dataclasses.dataclass
@@ -112,6 +111,20 @@ class Site:
     def skip(self, reason: str) -> Site:
         self.decision, self.reason = "skip", reason
         return self
+
+
+def symbolic_problem(site: Site) -> str | None:
+    """Why symbolic sizes keep the site from being cut, if they do. Pieces are cut along the
+    site's dim at sizes baked into the code, so that dim must be static; other dims (a batch
+    that ``torch.compile`` made dynamic) may be symbolic, one per tensor (it becomes the -1 of
+    each reshape)."""
+    shape = fake(site.tensor).shape
+    if not isinstance(shape[site.dim], int):
+        return f"dim {site.dim} of {list(shape)} has the symbolic size {shape[site.dim]}: its pieces cannot be cut statically"
+    symbolic = [str(s) for s in shape if not isinstance(s, int)]
+    if len(symbolic) > 1:
+        return f"{list(shape)} has more than one symbolic size ({', '.join(symbolic)}): not yet supported"
+    return None
 
 
 def coalesced_site(pattern: PatternName, node: fx.Node, graph_kind: str) -> Site:

@@ -158,6 +158,43 @@ def saved_scatter(x, w1, w2):
     return checkpoint(_squared_mlp, x, w1, w2, use_reentrant=False, context_fn=context)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_columns(w):
+    """``w`` in fp8, column-major (``_scaled_mm``'s right operand)."""
+    return w.to(FP8).t().contiguous().t()
+
+
+def _row_scale(rows: int) -> torch.Tensor:
+    return torch.linspace(0.5, 1.5, rows).view(rows, 1)  # replicated: the same on every rank
+
+
+def _scaled(x, w1, w2, rowwise: bool):
+    """fp8 as PyTorch's async-TP tests write it: the shard's fp8 bytes gathered as uint8 and
+    viewed back, ``_scaled_mm`` on the gathered rows; relu, fp8 again, and a ``_scaled_mm``
+    whose bf16 product is reduce-scattered."""
+    a = funcol.all_gather_tensor(x.to(FP8).view(torch.uint8), 0, _group()).view(FP8)  # [N·rows, H]
+    rows = a.shape[0]
+    if rowwise:
+        scales = [_row_scale(rows), torch.full((1, w1.shape[1]), 0.5), _row_scale(rows).flip(0), torch.full((1, w2.shape[1]), 2.0)]
+    else:
+        scales = [torch.tensor(0.75), torch.tensor(0.5), torch.tensor(1.25), torch.tensor(2.0)]
+    h = torch._scaled_mm(a, _fp8_columns(w1), scales[0], scales[1], out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(torch.relu(h).to(FP8), _fp8_columns(w2), scales[2], scales[3], out_dtype=torch.bfloat16)
+    return funcol.reduce_scatter_tensor(y, "sum", 0, _group())
+
+
+def scaled_tensorwise(x, w1, w2):
+    """fp8 ``_scaled_mm`` with tensorwise scales around both collectives (inference)."""
+    return _scaled(x, w1, w2, rowwise=False)
+
+
+def scaled_rowwise(x, w1, w2):
+    """fp8 ``_scaled_mm`` with rowwise scales ([M, 1] and [1, N]) around both collectives."""
+    return _scaled(x, w1, w2, rowwise=True)
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (12, 16)),
@@ -172,18 +209,23 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "averaged": (averaged, (12, 16)),
     "last_dim": (last_dim, (24, 4)),  # sharded on dim 1
     "saved_scatter": (saved_scatter, (12, 16)),
+    "scaled_tensorwise": (scaled_tensorwise, (16, 16)),
+    "scaled_rowwise": (scaled_rowwise, (16, 16)),
 }
 SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1}
-FORWARD_ONLY = {"averaged"}
+FORWARD_ONLY = {"averaged", "scaled_tensorwise", "scaled_rowwise"}  # (no backward: funcol's "avg", CPU _scaled_mm)
 HIDDEN, FFN = 16, 32
 
 
-def make_inputs(program: str, rank: int, world: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """This rank's activation shard, column shard of W1 and row shard of W2 (leaf tensors)."""
+def make_inputs(program: str, rank: int, world: int, dtype: torch.dtype, batch: int | None = None) -> list[torch.Tensor]:
+    """This rank's activation shard, column shard of W1 and row shard of W2 (leaf tensors);
+    ``batch`` replaces the activation's dim 0 (a [B, S/N, H] program's batch)."""
     _, shard_shape = PROGRAMS[program]
+    if batch is not None:
+        shard_shape = (batch, *shard_shape[1:])
     dim = SHARD_DIM.get(program, 0)
     full_shape = [s * world if i == dim else s for i, s in enumerate(shard_shape)]
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(1234 + (batch or 0))
     x = torch.randn(full_shape, generator=gen).chunk(world, dim)[rank]
     w1 = torch.randn(HIDDEN, FFN * world, generator=gen) / HIDDEN**0.5
     w2 = torch.randn(FFN * world, HIDDEN, generator=gen) / FFN**0.5
@@ -253,6 +295,28 @@ def check_against_eager(program: str, dtype_name: str, options: dict | None = No
             dict(schedule=s.schedule, chunks_per_rank=s.chunks_per_rank, fused=s.fused) for s in commfuse_compile.last_report().sites
         ],
     )
+
+
+def check_batch_sizes(program: str, dtype_name: str, options: dict, batches: list[int]) -> list[dict]:
+    """Compile ``program`` once with ``torch.compile``'s default ``dynamic=None`` and call it on
+    activations of each batch size in turn (the second size recompiles with the batch
+    symbolic; later ones reuse that graph): per call, the comparison with eager, and the sites
+    of the graphs compiled for it (none when it reused a compiled graph)."""
+    torch._dynamo.reset()
+    dtype = DTYPES[dtype_name]
+    fn, _ = PROGRAMS[program]
+    compiled = torch.compile(fn, backend="commfuse", options={**RING, **options})
+    calls = []
+    for batch in batches:
+        inputs = make_inputs(program, dist.get_rank(), dist.get_world_size(), dtype, batch)
+        expected = forward_backward(fn, inputs)
+        seen = len(commfuse_compile.reports())
+        actual = forward_backward(compiled, inputs)
+        new = commfuse_compile.reports()[seen:]
+        sites = [(s.graph, s.pattern, s.action, s.reason, s.fused) for r in new for s in r.sites]
+        symbolic = [any(not isinstance(size, int) for shape in s.shapes.values() for size in shape) for r in new for s in r.sites]
+        calls.append(dict(batch=batch, diffs=compare(actual, expected, dtype), sites=sites, symbolic=symbolic))
+    return calls
 
 
 def generated_code(program: str, options: dict | None = None) -> list[str]:

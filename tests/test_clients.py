@@ -18,12 +18,17 @@ What is left alone, and why (README, "Coverage by client"):
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
+import torch
 from clients import BUILDERS
 
 import commfuse_compile
+from commfuse_compile.backend import commfuse
+from commfuse_compile.explain import _post_grad_only
+from commfuse_compile.report import merge_reports
 
 pytestmark = pytest.mark.slow  # (a minute in all: eight real models traced and planned)
 
@@ -77,3 +82,26 @@ def test_client_sites_at_world_size_8(world, case):
             assert any(s.reason.startswith(reason) for s in report.skipped if (s.graph, s.pattern) == where), report.summary()
     for site in report.skipped:
         assert site.reason, site
+
+
+def test_dynamic_batch_keeps_every_rewrite(world):
+    """torch.compile's default ``dynamic=None``: a second batch size recompiles torchtitan's
+    Llama3 with the batch symbolic. The cut dim (the sequence) stays static, so the same 18
+    sites are rewritten in the symbolic graphs, and a third batch size compiles nothing."""
+    model, (tokens,) = BUILDERS["titan_llama3"](WORLD)
+    backend = functools.partial(commfuse, options={"schedule": "ring"}, _inner_compile=_post_grad_only)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    rewritten, symbolic = [], []
+    for batch in (2, 3, 5):
+        seen = len(commfuse_compile.reports())
+        compiled(torch.randint(0, 2048, (batch, tokens.shape[1]))).float().sum().backward()
+        new = commfuse_compile.reports()[seen:]
+        report = merge_reports(new) if new else None
+        rewritten.append(Counter((s.graph, s.pattern) for s in report.rewritten) if report else None)
+        # (the collective's tensor, the first shape recorded: a symbol is recorded by name)
+        symbolic.append(report and all(any(isinstance(size, str) for size in next(iter(s.shapes.values()))) for s in report.rewritten))
+    torch._dynamo.reset()
+    assert rewritten[0] == rewritten[1] and sum(rewritten[1].values()) == 18, rewritten
+    assert symbolic[:2] == [False, True]  # batch 3: the same sites, planned with the batch a symbol
+    assert rewritten[2] is None  # batch 5 reuses the symbolic graphs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from programs import DTYPES, TOLERANCES, check_against_eager, generated_code, ring_events
+from programs import DTYPES, TOLERANCES, check_against_eager, check_batch_sizes, generated_code, ring_events
 
 import commfuse_compile  # noqa: F401  (registers torch.ops.commfuse in the ranks too)
 from commfuse_compile._compat import work_registry_size
@@ -40,6 +40,9 @@ EXPECTED_SITES = {
     "batch1_view": REWRITTEN_EVERYWHERE,
     "spmd_layout": REWRITTEN_EVERYWHERE,
     "averaged": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
+    # fp8: the uint8 gather viewed back as fp8 feeds a _scaled_mm; a _scaled_mm feeds the scatter.
+    "scaled_tensorwise": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
+    "scaled_rowwise": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
     # Forward: the gather along x's last (contraction) dim; backward: its reduce-scatter along
     # the last dim (output columns).
     "last_dim": REWRITTEN_EVERYWHERE,
@@ -78,8 +81,10 @@ def test_ring_exchange_does_not_leak_work(ranks):
 
 # bf16 where the layout differs (leading_dims and reused add no bf16 path canonical lacks);
 # attention and the dim-1 form in fp32 are the Llama block's (test_tp_llama.py, every schedule).
-CASES = [(p, "fp32") for p in EXPECTED_SITES if p not in ("attention", "batch1_view", "sequence_parallel")] + [
-    (p, "bf16") for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim")
+# The fp8 programs take bf16 inputs (their products are bf16).
+CASES = [(p, "fp32") for p in EXPECTED_SITES if p not in ("attention", "batch1_view", "sequence_parallel") and not p.startswith("scaled")] + [
+    (p, "bf16")
+    for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim", "scaled_rowwise")
 ]
 
 
@@ -103,6 +108,32 @@ def test_dynamic_shapes_stay_correct(ranks):
     for result in ranks.run(check_against_eager, "leading_dims", "fp32", None, True):
         assert all(row["close"] for row in result["diffs"] + result["repeat_diffs"]), result["diffs"]
         assert result["sites"] and all(action == "skipped" and "symbolic" in reason for *_, action, reason in result["sites"]), result["sites"]
+
+
+@pytest.mark.parametrize(
+    "program, dtype, options",
+    [
+        ("sequence_parallel", "bf16", {"schedule": "bidirectional"}),
+        ("attention", "fp32", {"chunks_per_rank": 2}),
+        ("spmd_layout", "fp32", {"schedule": "slicing", "chunks_per_rank": 2}),
+    ],
+)
+def test_dynamic_batch_is_rewritten(ranks, program, dtype, options):
+    """``dynamic=None`` (torch.compile's default): the second batch size recompiles with the
+    batch symbolic. The cut dim (the sequence) is static, so every site is rewritten again, and
+    that one graph serves a third batch size; all three equal eager."""
+    for calls in ranks.run(check_batch_sizes, program, dtype, options, [2, 3, 5]):
+        static, dynamic, reused = calls
+        for call in calls:
+            for row in call["diffs"]:
+                assert row["close"], f"batch {call['batch']}: {row} exceeds {TOLERANCES[DTYPES[dtype]]}"
+        assert [site[:3] for site in static["sites"]] == EXPECTED_SITES[program]
+        assert [site[:3] for site in dynamic["sites"]] == EXPECTED_SITES[program], dynamic["sites"]
+        assert all(dynamic["symbolic"]) and not any(static["symbolic"])  # the batch is a symbol in the second compile
+        assert reused["sites"] == []  # no third compile
+        for (kind, pattern), op in EXPECTED_FUSED.get(program, {}).items():  # fusion works on them too
+            (fused,) = [site[4] for site in dynamic["sites"] if site[:2] == (kind, pattern)]
+            assert any(op in name for name in fused), (kind, pattern, fused)
 
 
 def test_generated_code_runs_start_mm_wait(ranks):
@@ -144,6 +175,8 @@ SCHEDULE_CASES = [
     ("spmd_layout", "bf16", "slicing", 2, True),  # movedim around both collectives, sliced
     ("averaged", "fp32", "slicing", 2, True),  # sliced reduce-scatters keep "avg"
     ("last_dim", "fp32", "bidirectional", 1, True),  # contraction-dim gather, column scatter
+    ("scaled_rowwise", "bf16", "bidirectional", 2, True),  # fp8: rowwise scales cut with their rows
+    ("scaled_tensorwise", "bf16", "slicing", 2, True),
 ]
 
 

@@ -9,6 +9,7 @@ The chunk-order tests read the order from the matmuls' outputs, so they run with
 from __future__ import annotations
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -191,6 +192,24 @@ def test_pinned_order_adds_control_dependencies(mlp_graphs):
             assert step.compute[0].name in {d.name for d in wait.args[0]}  # wait after compute
 
 
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+@pytest.mark.parametrize("schedule, m", [("ring", 2), ("bidirectional", 1), ("slicing", 2)])
+def test_every_rank_waits_in_one_order(mlp_graphs, kind, schedule, m):
+    """Two sub-rings (m = 2, or the two directions) and two sites are independent chains that a
+    scheduler could interleave differently per rank (a deadlock at 4 ranks before): every wait
+    is pinned after the wait before it, the same chain on every rank."""
+    chains = []
+    for rank in (0, 3, 6):
+        graph, sites, _ = rewrite_as(mlp_graphs[kind], rank, kind, schedule=schedule, chunks_per_rank=m)
+        assert [s.decision for s in sites] == ["rewrite"] * len(sites)
+        waits = [n for n in graph.nodes if n.name.startswith("wait_tensor")]
+        assert len(waits) > len(sites)
+        for before, after in zip(waits, waits[1:]):
+            assert "control_deps" in str(after.target) and before in after.args[0], (after, after.args[0])
+        chains.append([n.name for n in waits])
+    assert chains[0] == chains[1] == chains[2]
+
+
 def test_same_plan_on_every_rank(mlp_graphs):
     plans = []
     for r in range(WORLD):
@@ -284,3 +303,43 @@ def test_symbolic_sizes_are_left_alone(world):
     assert out.shape == (4 * WORLD, 4)
     (site,) = commfuse_compile.last_report().sites
     assert site.action == "skipped" and "symbolic" in site.reason
+    assert site.reason.startswith("dim 0 of [8*s") and "has the symbolic size" in site.reason, site.reason
+
+
+def test_symbolic_batch_with_a_static_cut_dim_is_rewritten(world):
+    """The sequence is gathered (static); the batch is symbolic: rewritten on every rank, the
+    symbolic size becoming each reshape's -1, and a size read off the all-gather
+    (``sym_size.int``) read off its shard instead."""
+
+    def f(x, w):
+        return funcol.all_gather_tensor(x, 1, world) @ w
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    torch._dynamo.mark_dynamic(x, 0)
+    graphs = post_grad_graphs(f, x, torch.randn(8, 4, requires_grad=True))
+    graph = graphs["forward"]
+    gather = next(n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default)
+    size_user = graph.output_node()  # (the batch, saved for backward, survives the rewrite)
+    with graph.inserting_after(gather):  # as Dynamo emits it for `x.shape[0]` of a gathered x
+        size = graph.call_function(torch.ops.aten.sym_size.int, (gather, 0))
+    size.meta["val"] = gather.meta["val"].shape[0]
+    symbol = next(a for a in size_user.args[0] if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.SymInt))
+    with graph.inserting_after(size):
+        per_rank = graph.call_function(operator.floordiv, (size, WORLD))
+    per_rank.meta["val"] = symbol.meta["val"]
+    size_user.replace_input_with(symbol, per_rank)
+    for kind, g in graphs.items():
+        for rank in (0, 5):
+            rewritten, sites, _ = rewrite_as(g, rank, kind)
+            assert [s.decision for s in sites] == ["rewrite"], [s.reason for s in sites]
+            targets = [n.target for n in rewritten.nodes]
+            assert torch.ops._c10d_functional.all_gather_into_tensor.default not in targets
+            assert torch.ops._c10d_functional.reduce_scatter_tensor.default not in targets
+            for node in rewritten.nodes:
+                for arg in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+                    assert not isinstance(arg, torch.SymInt), node.format_node()  # no baked-in example size
+            if kind == "forward":
+                (resized,) = [n for n in rewritten.nodes if n.target is torch.ops.aten.sym_size.int]
+                assert (resized.args[0].name, resized.args[1]) == (gather.args[0].name, 0)  # the shard's batch
+                (times,) = [n for n in rewritten.nodes if n.target is operator.mul and resized in n.args]
+                assert times.args == (resized, WORLD)
