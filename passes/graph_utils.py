@@ -98,11 +98,6 @@ def shape_of(node: fx.Node) -> list[int | str]:
     return [s if isinstance(s, int) else str(s) for s in fake(node).shape]
 
 
-def symbolic_dims(node: fx.Node) -> list[int]:
-    """The dims of the node's shape whose size is symbolic."""
-    return [d for d, s in enumerate(fake(node).shape) if not isinstance(s, int)]
-
-
 def bytes_of(value: torch.Tensor) -> int:
     """The tensor's size in bytes (at the hint of a symbolic size)."""
     return hinted(value.numel()) * value.element_size()
