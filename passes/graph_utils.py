@@ -53,14 +53,6 @@ def right_operand(matmul: fx.Node) -> fx.Node:
     return matmul.args[2] if matmul.target is ADDMM else matmul.args[1]
 
 
-def static_shape(node: fx.Node) -> list[int] | None:
-    """The node's shape as ints, or None if any size is symbolic."""
-    shape = fake(node).shape
-    if all(isinstance(s, int) for s in shape):
-        return list(shape)
-    return None
-
-
 # Sizes may be symbolic (``torch.compile``'s automatic dynamic shapes make a batch dim a
 # SymInt after the second batch size). Every question about them is asked so that it holds for
 # every value of the symbols and adds no guard: the graph was guarded before this pass ran, so
