@@ -138,7 +138,7 @@ def commfuse(
         )
     if not report.rewritten and not report.cache_hits:
         reasons = "; ".join(sorted({s.reason for s in report.skipped})) or (
-            "no all-gather or reduce-scatter in the graph (collectives issued outside compiled "
+            "no all-gather, reduce-scatter or all-reduce in the graph (collectives issued outside compiled "
             "graphs, e.g. by FSDP2's hooks, never reach commfuse)"
         )
         log.warning(

@@ -37,6 +37,8 @@ class CommfuseOptions:
             keyed by ``"all_gather_matmul"`` / ``"matmul_reduce_scatter"``.
         flash_ag: decompose all-gather → matmul at all.
         flash_rs: decompose matmul → reduce-scatter at all.
+        flash_ar: split an all-reduce between matmuls into a reduce-scatter and an all-gather,
+            each then decomposed as above (Flash-RS, Flash-AG) where its pattern allows.
         fusion: compute the row-local ops next to each ring inside its steps: after Flash-AG
             the elementwise ops, norms over the last dim and replicated-weight matmuls that
             follow; before Flash-RS the ops that produce its matmul's input, including
@@ -57,6 +59,7 @@ class CommfuseOptions:
     min_speedup: float | Mapping[str, float] = 1.0
     flash_ag: bool = True
     flash_rs: bool = True
+    flash_ar: bool = True
     fusion: bool = True
     pin_order: bool = True
     strict: bool = False
@@ -83,7 +86,7 @@ class CommfuseOptions:
                 f"unknown commfuse option(s) {', '.join(map(repr, unknown))}; "
                 f"valid keys: {', '.join(cls.valid_keys())}"
             )
-        for key in ("flash_ag", "flash_rs", "fusion", "pin_order", "strict"):
+        for key in ("flash_ag", "flash_rs", "flash_ar", "fusion", "pin_order", "strict"):
             if key in options and not isinstance(options[key], bool):
                 raise ValueError(f"commfuse option {key!r} must be True or False, got {options[key]!r}")
         return cls(**options)

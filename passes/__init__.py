@@ -20,27 +20,29 @@ from commfuse_compile._compat import resolve_process_group, stable_topological_s
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.report import Report
 
+from . import all_reduce
 from .all_gather_matmul import AllGatherMatmul
+from .all_reduce import AllReduce
 from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
 from .graph_utils import GraphSnapshot, c10d, dataflow
 from .matmul_reduce_scatter import MatmulReduceScatter
 from .order import pin_ring_order
 from .pattern import Pattern, Undecomposed
-from .plan import plan_site
+from .plan import one_ring_per_matmul, plan_site
 from .report import record_sites
 from .rewrite import remove_replaced, rewrite_site
 from .site import Site
 
 __all__ = ["PATTERNS", "UNDECOMPOSED", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
 
-# Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys).
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter())}
+# Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys). The
+# first two are decomposed into rings; an all-reduce is split into one of each (its halves).
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter(), AllReduce())}
 # Collectives recorded (as skips, with the reason) but not decomposed yet.
 UNDECOMPOSED: dict[str, Pattern] = {
     p.name: p
     for p in (
-        Undecomposed("all_reduce", c10d.all_reduce.default, "all-reduce"),
         Undecomposed("all_to_all", c10d.all_to_all_single.default, "all-to-all"),
     )
 }
@@ -69,6 +71,40 @@ def find_sites(graph: fx.Graph, kind: str) -> list[Site]:
     return [_BY_COLLECTIVE[node.target].match(node, kind, flow) for node in graph.nodes if node.target in _BY_COLLECTIVE]
 
 
+def _split_all_reduces(graph: fx.Graph, sites: list[Site], options: CommfuseOptions, kind: str) -> tuple[list[Site], list]:
+    """Split every matched all-reduce into a reduce-scatter and an all-gather and match those
+    (:mod:`.all_reduce`): the sites in graph order, and each split with its two halves."""
+    splits = []
+    for site in sites:
+        if site.pattern != AllReduce.name or site.decision != "pending":
+            continue
+        if not options.flash_ar:
+            site.skip("disabled by option flash_ar=False")
+        elif site.group_size == 1:
+            site.skip("group size 1: nothing to exchange")
+        else:
+            splits.append(all_reduce.split(graph, site))
+    if not splits:
+        return sites, []
+    flow = dataflow(graph)
+    scatter, gather = PATTERNS["matmul_reduce_scatter"], PATTERNS["all_gather_matmul"]
+    pairs = [(s, [scatter.match(s.scatter, kind, flow), gather.match(s.gather, kind, flow)]) for s in splits]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    split_at = {id(s.site): order[s.scatter] for s in splits}  # (its collective is gone)
+    everything = [*sites, *(half for _, halves in pairs for half in halves)]
+    return sorted(everything, key=lambda site: split_at.get(id(site), order.get(site.collective, -1))), pairs
+
+
+def _settle_all_reduces(graph: fx.Graph, sites: list[Site], pairs: list) -> list[Site]:
+    """Keep each split with a rewritten half; put the others' all-reduce back."""
+    dropped: set[int] = set()
+    for undo, halves in pairs:
+        if not all_reduce.settle(undo, halves):
+            all_reduce.restore(graph, undo)
+            dropped |= {id(half) for half in halves}
+    return [site for site in sites if id(site) not in dropped]
+
+
 def run_pipeline(
     graph: fx.Graph,
     options: CommfuseOptions,
@@ -83,13 +119,16 @@ def run_pipeline(
     """
     snapshot = GraphSnapshot(graph)
     try:
-        sites = [plan_site(site, options, _BY_NAME[site.pattern]) for site in find_sites(graph, kind)]
+        sites, splits = _split_all_reduces(graph, find_sites(graph, kind), options, kind)
+        sites = [site if site.pattern == AllReduce.name else plan_site(site, options, _BY_NAME[site.pattern]) for site in sites]
+        one_ring_per_matmul(sites)
+        sites = _settle_all_reduces(graph, sites, splits)
         plans = [plan_of(site) for site in sites]  # (before the rewrite erases the collectives)
         tags = itertools.count(1)  # same sites in the same order on every rank: tags match
         reserved = set().union(*(_BY_NAME[site.pattern].reserved(site) for site in sites)) - {None}
         fuse = Fuse(options.fusion, reserved)
         for site in sites:
-            if site.decision == "rewrite":
+            if site.decision == "rewrite" and site.pattern != AllReduce.name:  # (its halves are sites)
                 before = set(graph.nodes)
                 rewrite_site(graph, site, PATTERNS[site.pattern], rank_of(site.group_name), tags, fuse)
                 emitted = [n for n in graph.nodes if n not in before]
@@ -97,10 +136,10 @@ def run_pipeline(
                 fuse.reserved.update(emitted)  # a later site's fusion must not recompute this ring
         stable_topological_sort(graph)
         remove_replaced(graph, sites)
+        checks = insert_plan_checks(graph, sites, plans, options, kind)
         if options.pin_order:
-            pin_ring_order(graph, sites)
+            pin_ring_order(graph, sites, checks)
             stable_topological_sort(graph)  # control deps are inputs now: sort by them too
-        insert_plan_checks(graph, sites, plans, options, kind)
         graph.lint()
     except Exception:
         snapshot.restore(graph)

@@ -54,11 +54,13 @@ import torch.fx as fx
 from commfuse_compile.cost_model import Matmul, Workload
 from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_pieces
 
-from .chunks import assemble, chunk_problem, cut, in_layout, matmul_problem, output_axis, piece_product
+from .chunks import assemble, chunk_problem, cut, in_layout, join, matmul_problem, output_axis, piece_product
 from .fusion import Fuse
 from .graph_utils import ADDMM, ALL_GATHER, MATMULS, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
 from .layout import after_permutes, reshape_chains, single_wait, split_cat, transpose_chains
 from .pattern import Pattern
+from .pieces import Pieces
+from .prologue import needed, prologue_consumers, prologue_problem, prologue_region
 from .site import Consumer, RingStep, Site, coalesced_site
 
 
@@ -86,6 +88,8 @@ class AllGatherMatmul(Pattern):
             site.shapes["gathered"] = shape_of(site.tensor)
         last = site.dim == fake(site.tensor).dim() - 1 and site.dim > 0  # a gather along the last dim
         consumers = list(_matmul_consumers(site.tensor, int(last)))
+        if not consumers and not last:
+            consumers = _through_prologue(site, flow)
         if not consumers:
             if any(u.target is ADDMM and u.args[0] is site.tensor for u in site.tensor.users):
                 return site.skip("the gathered tensor is only added as an addmm bias: no matmul to overlap with")
@@ -116,7 +120,9 @@ class AllGatherMatmul(Pattern):
         return None if kept else "no consuming matmul can be computed chunk by chunk: " + "; ".join(site.notes)
 
     def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
-        view = list(fake(consumer.view or site.tensor).shape)
+        view = list(fake(consumer.operand_shape_of(site.tensor)).shape)
+        if consumer.source is not None and (problem := prologue_problem(site, count, set())):
+            return problem
         if consumer.mm.target is SCALED_MM and (consumer.role != "rows" or consumer.gathered_axis):
             return "a _scaled_mm reading the gathered dim as anything but its left operand's rows: not yet supported"
         if consumer.gathered_axis == 0:
@@ -138,7 +144,7 @@ class AllGatherMatmul(Pattern):
         between ranks, and a plan that read it could differ too) and the shard's bytes."""
         matmuls = []
         for consumer in site.consumers:
-            rows, width = hinted_shape(consumer.view or site.tensor)
+            rows, width = hinted_shape(consumer.operand_shape_of(site.tensor))
             if consumer.gathered_axis == 1:  # G[rows, width] @ W[width, n], contracted in pieces
                 matmuls.append(Matmul(rows, width, width, "k"))
             elif consumer.role == "rows":  # G[rows, width] @ W[width, n]
@@ -157,6 +163,19 @@ class AllGatherMatmul(Pattern):
             _sliced(graph, site, fuse)
         else:
             _ring(graph, site, rank, tags, fuse)
+
+
+def _through_prologue(site: Site, flow: nx.DiGraph) -> list[Consumer]:
+    """Matmuls that read the gathered tensor's rows through row-local ops (a residual add, a
+    norm): they become the consumers, and those ops the site's prologue."""
+    region = prologue_region(site, site.group_size, set())
+    if region is None:
+        return []
+    consumers = prologue_consumers(site, region, flow, lambda node: _matmul_consumers(node, 0))
+    if consumers:
+        site.prologue = needed(region, consumers).computed
+        site.notes.append(f"computed on each piece before the matmuls: {', '.join(n.name for n in site.prologue)}")
+    return consumers
 
 
 def _matmul_consumers(gathered: fx.Node, gathered_axis: int):
@@ -181,8 +200,9 @@ class _Pieces:
     """What a Flash-AG rewrite accumulates: the pieces it held, each consumer's output pieces
     (in tensor order) and partial products (contraction consumers, in ring order)."""
 
-    def __init__(self, site: Site, count: int):
+    def __init__(self, site: Site, count: int, fuse: Fuse):
         self.site, self.count = site, count
+        self.prologue = _prologue_pieces(site, count, fuse)
         self.held: list[fx.Node | None] = [None] * count
         self.outputs: list[list[fx.Node | None]] = [[None] * count for _ in site.consumers]
         self.partials: list[list[fx.Node]] = [[] for _ in site.consumers]
@@ -191,8 +211,13 @@ class _Pieces:
         """Every consumer on ``held`` (the tensor's ``pieces``, in its layout), then what
         ``fused`` computes on them; returns the nodes that overlap the step's transfer."""
         d, nodes = self.site.dim, []
+        if self.prologue is not None:  # the row-local ops before the matmuls, on these pieces
+            for q in pieces:
+                self.prologue.give(self.site.tensor, q, self.held[q])
+                nodes += self.prologue.compute(emit, q)
         for c, consumer in enumerate(self.site.consumers):
-            y = piece_product(emit, consumer, self.site, held, pieces, self.count)
+            rows = held if consumer.source is None else join(emit, [self.prologue.value(emit, consumer.source, q) for q in pieces], d)
+            y = piece_product(emit, consumer, self.site, rows, pieces, self.count)
             nodes.append(y)
             if consumer.role == "contraction":
                 self.partials[c].append(y)
@@ -212,6 +237,8 @@ class _Pieces:
         for c, consumer in enumerate(site.consumers):
             parts = self.partials[c] if consumer.role == "contraction" else self.outputs[c]
             consumer.mm.replace_all_uses_with(assemble(emit, consumer, parts, site.dim))
+        if self.prologue is not None:  # what is read besides the matmuls (h, a saved norm)
+            self.prologue.assemble(emit)
         if readers:
             whole = emit(aten.cat.default, self.held, site.dim)
             if not same_shape(fake(whole).shape, fake(site.tensor).shape):  # pieces cut as rows (_shard_pieces)
@@ -227,7 +254,7 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
     emit = _emitter_before_consumers(graph, site)
     fused = fuse.after_gather(graph, site, count)
     exchange = ring_exchange_op()
-    pieces = _Pieces(site, count)
+    pieces = _Pieces(site, count, fuse)
     cur = dict(enumerate(_shard_pieces(emit, site, per_chunk)))  # stream -> the piece it holds
     for step in flash_ag_steps(site.group_size, r, site.schedule, site.chunks_per_rank):
         for sub in step:
@@ -251,7 +278,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     count = n * k
     emit = _emitter_before_consumers(graph, site)
     fused = fuse.after_gather(graph, site, count)
-    pieces = _Pieces(site, count)
+    pieces = _Pieces(site, count, fuse)
     slices = _shard_pieces(emit, site, k)
     gathers = [emit(ALL_GATHER, slices[0], n, group)]
     waits = [emit(WAIT, gathers[0])]  # slice 0: exposed
@@ -269,6 +296,17 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
             waits.append(wait)
     fused.finish(emit)
     pieces.finish(emit)
+
+
+def _prologue_pieces(site: Site, count: int, fuse: Fuse) -> Pieces | None:
+    """The emitter of the site's prologue on ``count`` pieces (None: the matmuls read the
+    gathered tensor itself)."""
+    if not site.prologue:
+        return None
+    region = prologue_region(site, count, fuse.reserved - set(site.prologue))
+    if region is None or any(c.source is not None and region.axis.get(c.source) != site.dim for c in site.consumers):
+        raise RuntimeError(f"commfuse: the prologue of {site.collective.name} changed between plan and rewrite")
+    return Pieces(needed(region, site.consumers))
 
 
 def _emitter_before_consumers(graph: fx.Graph, site: Site) -> Emitter:
@@ -305,7 +343,7 @@ def _whole_tensor_readers(site: Site) -> list[str]:
     """Nodes that still read the whole gathered tensor (directly or through a consumer's
     reshape or transpose) once the consumer matmuls are rewritten, e.g. a save for backward."""
     chain = {v for c in site.consumers for v in (*c.views, *c.permutes)}
-    covered = chain | {c.mm for c in site.consumers}
+    covered = chain | {c.mm for c in site.consumers} | set(site.prologue)
     names = []
     for node in [site.tensor, *chain]:
         via = "" if node is site.tensor else f" (via {node.name})"

@@ -29,7 +29,7 @@ from .site import Site
 
 def plan_of(site: Site) -> dict:
     """What this rank will exchange for ``site``, in terms every rank of its group shares."""
-    value = fake(site.collective.args[0])
+    value = fake(site.tensor if site.pattern == "all_reduce" else site.collective.args[0])  # (a split one is erased)
     rewrite = site.decision == "rewrite"
     return dict(
         kind=site.pattern,

@@ -56,7 +56,7 @@ def piece_product(emit: Emitter, consumer: Consumer, site: Site, held: fx.Node, 
         size = fake(weight).shape[0] // count
         block = join(emit, [emit(aten.slice.Tensor, weight, 0, q * size, (q + 1) * size) for q in pieces], 0)
         return emit(MM, as_rows(emit, held, fake(held).shape[-1]), block)
-    width = fake(consumer.view or site.tensor).shape[-1]
+    width = fake(consumer.operand_shape_of(site.tensor)).shape[-1]
     rows = as_rows(emit, held, width)  # as rows of the matmul's 2-D operand
     for view in consumer.views:  # the bytes as the matmul reads them (fp8 gathered as uint8)
         if view.target is DTYPE_VIEW:

@@ -16,12 +16,18 @@ m = 2). With every rank waiting in one order, a rank blocked on transfer t has s
 transfer up to t itself (each one's wait comes after its start), so the earliest transfer any
 rank is blocked on has been started by both ends.
 
+The plan checks (:mod:`.check`) come before every collective and the first wait: a rank blocked
+on a transfer before comparing plans, while its peer compares first, would wait on each other,
+and a collective started before the comparison (itself a collective) would be matched with it.
+Ring starts may come first: a point-to-point send does not block, nor match a collective.
+
 All of it goes through Inductor's ``preserve_node_ordering`` (a ``control_deps``
 higher-order op that the scheduler honours).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.utils._ordered_set import OrderedSet
 
@@ -31,8 +37,23 @@ from .graph_utils import WAIT
 from .site import Site
 
 
-def pin_ring_order(graph: fx.Graph, sites: list[Site]) -> None:
+def pin_ring_order(graph: fx.Graph, sites: list[Site], checks: list[fx.Node]) -> None:
+    """Pin the rings' steps, and the plan ``checks`` before every collective and the first wait."""
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    if checks:
+        waits = [node for node in graph.nodes if node.target is WAIT]
+        for node in [n for n in graph.nodes if _is_collective(n)] + waits[:1]:
+            deps.setdefault(node, OrderedSet()).update(checks)
+    _ring_deps(sites, graph, deps)
+    preserve_node_ordering(graph, deps)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional" and target is not WAIT
+
+
+def _ring_deps(sites: list[Site], graph: fx.Graph, deps: dict[fx.Node, OrderedSet[fx.Node]]) -> None:
     for site in sites:
         for step in site.steps:
             if step.start is None:
@@ -44,4 +65,3 @@ def pin_ring_order(graph: fx.Graph, sites: list[Site]) -> None:
         waits = [node for node in graph.nodes if node.target is WAIT]
         for before, after in zip(waits, waits[1:]):
             deps.setdefault(after, OrderedSet()).add(before)
-    preserve_node_ordering(graph, deps)

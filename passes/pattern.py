@@ -1,8 +1,9 @@
 """What a pattern is: the interface every pattern's module implements, and their registry.
 
 A pattern is one kind of collective next to compute that commfuse decomposes. Its module (one
-per pattern: :mod:`.all_gather_matmul`, :mod:`.matmul_reduce_scatter`) states in its docstring
-what it matches, what the cost model times and what it emits, and implements:
+per pattern: :mod:`.all_gather_matmul`, :mod:`.matmul_reduce_scatter`, and :mod:`.all_reduce`,
+which splits into one of each) states in its docstring what it matches, what the cost model
+times and what it emits, and implements:
 
 - ``match``: a :class:`~.site.Site` for each collective it recognises (skips carry their reason);
 - ``keep_computable`` / ``cut_problem``: whether the matched matmuls can be cut into pieces;
@@ -70,14 +71,14 @@ class Pattern:
     def reserved(self, site: Site) -> set[fx.Node]:
         """The nodes of a match: its collective, wait and tensor, and its matmuls with the views
         around them."""
-        nodes = {site.collective, site.wait, site.tensor, *site.layout}
+        nodes = {site.collective, site.wait, site.tensor, *site.layout, *site.prologue}
         for consumer in site.consumers:
             nodes |= {consumer.mm, *consumer.views, *consumer.permutes}
         return nodes
 
 
 class Undecomposed(Pattern):
-    """A collective commfuse sees but has no rewrite for yet (all-reduce, all-to-all): recorded
+    """A collective commfuse sees but has no rewrite for yet (all-to-all): recorded
     as a skip with its reason, so a report never hides a collective it left alone."""
 
     flash = option = ""

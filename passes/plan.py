@@ -11,6 +11,8 @@ estimates go into the record either way.
 
 from __future__ import annotations
 
+import torch.fx as fx
+
 from commfuse_compile.cost_model import candidates, choose, estimate
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.profiles import resolve_profile
@@ -91,3 +93,18 @@ def _ms(seconds: float) -> str:
 
 def _on_dim(site: Site) -> str:
     return f" on dim {site.dim}" if site.dim else ""
+
+
+def one_ring_per_matmul(sites: list[Site]) -> None:
+    """A matmul, and the row-local ops before it, is computed in one Flash-AG ring: the first
+    rewrite in graph order takes it, a later one that needs it too is skipped (two gathered
+    tensors added before a matmul, as two gradients are in backward)."""
+    taken: dict[fx.Node, str] = {}
+    for site in sites:
+        if site.decision != "rewrite" or site.pattern != "all_gather_matmul":
+            continue
+        nodes = [c.mm for c in site.consumers] + list(site.prologue)
+        if clash := next((n for n in nodes if n in taken), None):
+            site.skip(f"{clash.name} is computed in the ring of {taken[clash]} already: one ring per matmul")
+            continue
+        taken.update({n: site.collective.name for n in nodes})

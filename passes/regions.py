@@ -39,13 +39,16 @@ class Region:
     def describe(self) -> str:
         return ", ".join(n.name for n in self.computed)
 
-def forward_region(graph: fx.Graph, site: Site, given: dict[fx.Node, int], count: int, reserved: set[fx.Node]) -> Region | None:
+def forward_region(
+    graph: fx.Graph, site: Site, given: dict[fx.Node, int], count: int, reserved: set[fx.Node], stop_at: frozenset = frozenset(), trim: bool = True
+) -> Region | None:
     """The row-local ops after a Flash-AG site's matmuls (``given``: their outputs, with the
-    axis their pieces are cut along), or None if there is nothing to compute there."""
+    axis their pieces are cut along), or None if there is nothing to compute there. Ops whose
+    target is in ``stop_at`` are not entered; ``trim=False`` keeps every node reached."""
     depends_on_ring = _descendants(site.wait)
     axis = dict(given)
     for node in graph.nodes:
-        if node in axis or node in reserved or node.op != "call_function":
+        if node in axis or node in reserved or node.op != "call_function" or node.target in stop_at:
             continue
         inputs = node.all_input_nodes
         if not any(i in axis for i in inputs):
@@ -57,7 +60,10 @@ def forward_region(graph: fx.Graph, site: Site, given: dict[fx.Node, int], count
             ):
                 axis[node] = candidate
                 break
-    return _trimmed(Region(axis, count, frozenset(given)), downstream=True) if len(axis) > len(given) else None
+    if len(axis) == len(given):
+        return None
+    region = Region(axis, count, frozenset(given))
+    return _trimmed(region, downstream=True) if trim else region
 
 def backward_region(
     roots: dict[fx.Node, int], count: int, reserved: set[fx.Node], read_whole: Iterable[fx.Node], notes: list[str]

@@ -41,6 +41,10 @@ class Consumer:
     # dim but the last flattened), or 1, its last dim (a gather along the contraction dim of
     # ``AG(A, dim=-1) @ B``).
     gathered_axis: int = 0
+    # Flash-AG only: the node the matmul reads the gathered rows through when row-local ops
+    # come between them (the gathered tensor's prologue: a residual add, a norm), computed on
+    # each piece before the matmul; None when it reads the gathered tensor itself.
+    source: fx.Node | None = None
 
     @property
     def view(self) -> fx.Node | None:
@@ -53,7 +57,11 @@ class Consumer:
 
     def reads(self, gathered: fx.Node) -> fx.Node:
         """Flash-AG: the node the matmul reads in place of the gathered tensor."""
-        return self.permutes[-1] if self.permutes else self.view or gathered
+        return self.permutes[-1] if self.permutes else self.view or self.source or gathered
+
+    def operand_shape_of(self, gathered: fx.Node) -> fx.Node:
+        """Flash-AG: the node whose shape is the matmul's view of the gathered rows."""
+        return self.view or self.source or gathered
 
     def other_operand(self, gathered: fx.Node) -> fx.Node:
         """Flash-AG: the matmul operand that is not (derived from) the gathered tensor."""
@@ -92,6 +100,9 @@ class Site:
     layout: list[fx.Node] = dataclasses.field(default_factory=list)  # copies / permutes between them
     reduce_op: str = "sum"  # reduce-scatter: "sum" or "avg"
     consumers: list[Consumer] = dataclasses.field(default_factory=list)
+    # Flash-AG: the row-local ops between the gathered tensor and its consumers' sources
+    # (computed on each piece before the matmuls: :mod:`.prologue`).
+    prologue: list[fx.Node] = dataclasses.field(default_factory=list)
     shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     decision: Decision = "pending"
     reason: str = ""

@@ -158,6 +158,44 @@ def saved_scatter(x, w1, w2):
     return checkpoint(_squared_mlp, x, w1, w2, use_reentrant=False, context_fn=context)
 
 
+class _SumForward(torch.autograd.Function):
+    """Megatron's ``g``: the all-reduce after a row-parallel matmul; identity in backward."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return funcol.all_reduce(y, "sum", _group())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _SumBackward(torch.autograd.Function):
+    """Megatron's ``f``: identity before a column-parallel matmul; its gradient all-reduced."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_reduce(grad, "sum", _group())
+
+
+def plain_tp(x, w1, w2):
+    """Plain tensor parallelism (Megatron without sequence parallelism, Hugging Face's TP
+    plans): ``x`` replicated, a column-parallel W1 and a row-parallel W2 with an all-reduce
+    after it, the residual add and an RMSNorm before the next block's matmul; backward
+    all-reduces the gradient of each block's input."""
+
+    def block(h, a, b):  # (silu, not relu: see last_dim)
+        return _SumForward.apply(F.silu(_SumBackward.apply(h) @ a) @ b)
+
+    h = x + block(x, w1, w2)
+    n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return h + block(n, w1.flip(0), w2)
+
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -211,8 +249,10 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "saved_scatter": (saved_scatter, (12, 16)),
     "scaled_tensorwise": (scaled_tensorwise, (16, 16)),
     "scaled_rowwise": (scaled_rowwise, (16, 16)),
+    "plain_tp": (plain_tp, (2, 16, 16)),  # replicated
 }
 SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1}
+REPLICATED = {"plain_tp"}  # the activation is the same on every rank
 FORWARD_ONLY = {"averaged", "scaled_tensorwise", "scaled_rowwise"}  # (no backward: funcol's "avg", CPU _scaled_mm)
 HIDDEN, FFN = 16, 32
 
@@ -224,9 +264,11 @@ def make_inputs(program: str, rank: int, world: int, dtype: torch.dtype, batch: 
     if batch is not None:
         shard_shape = (batch, *shard_shape[1:])
     dim = SHARD_DIM.get(program, 0)
-    full_shape = [s * world if i == dim else s for i, s in enumerate(shard_shape)]
+    replicated = program in REPLICATED
+    full_shape = [s * world if i == dim and not replicated else s for i, s in enumerate(shard_shape)]
     gen = torch.Generator().manual_seed(1234 + (batch or 0))
-    x = torch.randn(full_shape, generator=gen).chunk(world, dim)[rank]
+    x = torch.randn(full_shape, generator=gen)
+    x = x if replicated else x.chunk(world, dim)[rank]
     w1 = torch.randn(HIDDEN, FFN * world, generator=gen) / HIDDEN**0.5
     w2 = torch.randn(FFN * world, HIDDEN, generator=gen) / FFN**0.5
     ffn = FFN

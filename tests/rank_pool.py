@@ -3,18 +3,23 @@
 Spawning a rank costs 3–5 s (import torch, rendezvous), so a test module starts its world once
 and sends it work: ``pool.run(fn, *args)`` calls the module-level function ``fn(*args)`` on every
 rank and returns the per-rank results, or raises with the failing rank's traceback. A rank that
-does not answer within the timeout (a deadlocked ring, say) fails the test and the pool is torn
-down, never left hanging.
+dies (a crash: its exit code is reported) or does not answer within the timeout (a deadlocked
+ring, say: every rank's Python stack is reported) fails that test only: the pool is torn down and
+the next ``run`` spawns a fresh world, so one hang does not cost every later test its timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +31,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, cache_dir: str, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, tasks: mp.Queue, results: mp.Queue) -> None:
     # Ranks share 2 cores: one thread each, no Inductor compile sub-processes.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -35,6 +40,10 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, tasks: mp.Que
         TORCHINDUCTOR_COMPILE_THREADS="1",
         OMP_NUM_THREADS="1",
     )
+    # A crash writes this rank's stack here, and so does SIGUSR1 (sent on a timeout).
+    stack_file = open(stacks, "w")  # noqa: SIM115  (open for the life of the process)
+    faulthandler.enable(stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, stack_file, all_threads=True)
     import warnings
 
     import torch
@@ -66,38 +75,47 @@ class RankPool:
     key covers the rank through the pass's uuid; identical kernels compile once)."""
 
     def __init__(self, world_size: int, cache_dir: str, timeout: float = 300.0):
+        self.world_size, self.cache_dir, self.timeout = world_size, cache_dir, timeout
+        self.procs: list[mp.Process] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        self.timeout = timeout
         self.results: mp.Queue = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self.stacks = [tempfile.mktemp(prefix=f"rank{rank}_", suffix=".stack") for rank in range(self.world_size)]
         port = free_port()
         self.procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, cache_dir, self.tasks[rank], self.results),
+                args=(rank, self.world_size, port, self.cache_dir, self.stacks[rank], self.tasks[rank], self.results),
                 daemon=True,
             )
-            for rank in range(world_size)
+            for rank in range(self.world_size)
         ]
         for proc in self.procs:
             proc.start()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Call ``fn(*args)`` on every rank; return the results indexed by rank."""
+        if not self.procs:  # torn down by an earlier failure
+            self._spawn()
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, args))
         results: list[Any] = [None] * self.world_size
-        failures = []
-        for _ in range(self.world_size):
+        failures, answered = [], 0
+        deadline = time.monotonic() + self.timeout
+        while answered < self.world_size:
             try:
-                rank, ok, value = self.results.get(timeout=self.timeout)
+                rank, ok, value = self.results.get(timeout=2.0)
             except queue.Empty:
-                self.close(force=True)
-                raise TimeoutError(
-                    f"{fn.__name__}: a rank did not answer within {self.timeout:.0f}s "
-                    "(deadlocked ring?); the pool was torn down"
-                ) from None
+                if dead := [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]:
+                    self._fail(failures, f"{fn.__name__}: rank(s) died: " + ", ".join(f"rank {r} exit code {_exit(c)}" for r, c in dead))
+                if time.monotonic() > deadline:
+                    self._fail(failures, f"{fn.__name__}: a rank did not answer within {self.timeout:.0f}s (deadlocked ring?)", dump=True)
+                continue
+            answered += 1
+            deadline = time.monotonic() + self.timeout  # (per answer: ranks finish one by one)
             if ok:
                 results[rank] = value
             else:
@@ -105,6 +123,17 @@ class RankPool:
         if failures:
             raise AssertionError(f"{fn.__name__} failed\n" + "\n".join(failures))
         return results
+
+    def _fail(self, failures: list[str], what: str, dump: bool = False) -> None:
+        """Tear the pool down and raise ``what`` with the ranks' failures and stacks."""
+        if dump:
+            for proc in self.procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2.0)
+        stacks = [f"rank {r} stack:\n{_tail(path)}" for r, path in enumerate(self.stacks) if _tail(path)]
+        self.close(force=True)
+        raise TimeoutError("\n".join([what + "; the pool was torn down (the next test respawns it)", *failures, *stacks]))
 
     def close(self, force: bool = False) -> None:
         if not force:
@@ -115,3 +144,22 @@ class RankPool:
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
+            proc.join(timeout=10)
+        self.procs = []
+        for path in self.stacks:
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+    try:
+        with open(path) as f:
+            return f.read()[-limit:]
+    except OSError:
+        return ""

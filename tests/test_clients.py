@@ -12,7 +12,9 @@ What is left alone, and why (README, "Coverage by client"):
 - torchtitan MoE: the experts' output is scattered back to the tokens (``deterministic_scatter_add``,
   ``index_put``) before the reduce-scatter, and the gathered gradient reaches the experts through a
   token gather: no matmul next to the collective.
-- Hugging Face: plain TP, an all-reduce after every row-parallel linear (no pattern yet), and
+- Hugging Face: plain TP, an all-reduce after every row-parallel linear and before every
+  column-parallel one's input gradient: each is split into Flash-RS and Flash-AG
+  (``passes/all_reduce.py``); see PLAIN_TP for the halves left as plain collectives.
   ``lm_head``'s all-gather comes after its matmul.
 """
 
@@ -40,6 +42,17 @@ EMBEDDING_SKIPS = {
 }
 # (graph, pattern) -> (sites, rewritten); 2 layers each.
 DENSE = {("forward", AG): (5, 5), ("forward", RS): (5, 4), ("backward", AG): (5, 4), ("backward", RS): (5, 5)}
+# Hugging Face's plain TP, 2 layers: every all-reduce is split into a reduce-scatter and an
+# all-gather (their sites counted under their own patterns; the forward's 6th gather is
+# lm_head's, after its matmul). Forward: the embedding's reduce-scatter is not after a matmul;
+# the last gather feeds only the final norm and lm_head's gather. Backward: the gradients of
+# q, k and v (and of gate and up) are all-reduced apart and added before the norm's backward,
+# so one gather of each sum takes the matmul and the others are plain gathers; the last ones
+# feed the embedding's gradient (no matmul).
+PLAIN_TP = {
+    ("forward", AR): (5, 5), ("forward", RS): (5, 4), ("forward", AG): (6, 5),
+    ("backward", AR): (11, 11), ("backward", RS): (11, 11), ("backward", AG): (11, 4),
+}
 CASES = {
     "titan_llama3-spmd_types": ("titan_llama3", {"spmd_backend": "spmd_types"}, DENSE),
     "titan_llama3-partial_dtensor": ("titan_llama3", {"spmd_backend": "partial_dtensor"}, DENSE),
@@ -58,8 +71,8 @@ CASES = {
             ("forward", A2A): (4, 0), ("backward", A2A): (4, 0),
         },
     ),
-    "hf_llama": ("hf_llama", {}, {("forward", AG): (1, 0), ("forward", AR): (5, 0), ("backward", AR): (11, 0)}),
-    "hf_qwen3": ("hf_qwen3", {}, {("forward", AG): (1, 0), ("forward", AR): (5, 0), ("backward", AR): (11, 0)}),
+    "hf_llama": ("hf_llama", {}, PLAIN_TP),
+    "hf_qwen3": ("hf_qwen3", {}, PLAIN_TP),
 }
 
 

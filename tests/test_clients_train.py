@@ -1,17 +1,19 @@
 """Real clients trained on gloo ranks: compiled with commfuse, equal to the same client eagerly.
 
-torchtitan 0.3.0's Llama3 (``spmd_types``, its default backend) at world sizes 2 and 4, and
-Hugging Face's Llama at 2 (nothing in it is rewritten yet), under their own TP (+ SP) code
-(``tests/clients.py``): 2 SGD steps compiled
-(``schedule="ring"``) and 2 eagerly from the same initial weights; every rank's parameters
-(its own shards) and losses must agree. fp32, element-wise |compiled − eager| ≤ 1e-4 + 1e-4·|eager|
-(the rings sum partial products in another order than gloo's collectives, over two steps of
-2-layer models; a wrong chunk is off by the size of the values).
+torchtitan 0.3.0's Llama3 (both SPMD backends), dense Qwen3 and Qwen3 MoE (``spmd_types``, its
+default) under their own TP + SP code, and Hugging Face's Llama and Qwen3 under their stock TP
+plans (every all-reduce split into Flash-RS and Flash-AG), at world sizes 2 and 4
+(``tests/clients.py``): 2 SGD steps compiled (``schedule="ring"``) and 2 eagerly from the same
+initial weights; every rank's parameters (its own shards) and losses must agree, and the number
+of rewritten sites per pattern is exact. fp32, element-wise |compiled − eager| ≤ 1e-4 +
+1e-4·|eager| (the rings sum partial products in another order than gloo's collectives, over two
+steps of 2-layer models; a wrong chunk is off by the size of the values).
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -61,8 +63,8 @@ def train_against_eager(builder: str, kwargs: dict) -> dict:
         e, c = _local(e), _local(c)
         diff = (c - e).abs()
         rows.append(dict(name=name, max_abs_diff=diff.max().item(), close=bool((diff <= ATOL + RTOL * e.abs()).all())))
-    sites = [(s.graph, s.pattern, s.action) for r in commfuse_compile.reports()[seen:] for s in r.sites]
-    return dict(rows=rows, eager_losses=eager_losses, compiled_losses=compiled_losses, rewritten=sum(a == "rewritten" for *_, a in sites))
+    rewritten = Counter(s.pattern for r in commfuse_compile.reports()[seen:] for s in r.rewritten)
+    return dict(rows=rows, eager_losses=eager_losses, compiled_losses=compiled_losses, rewritten=dict(rewritten))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda ws: f"ws{ws}")
@@ -74,19 +76,28 @@ def ranks(request, inductor_cache_dir):
     pool.close()
 
 
-@pytest.mark.parametrize(
-    "builder, kwargs, rewritten",
-    [("titan_llama3", {"spmd_backend": "spmd_types"}, 18), ("hf_llama", {}, 0)],
-    ids=["titan_llama3-spmd_types", "hf_llama"],
-)
-def test_client_trains_like_eager(ranks, builder, kwargs, rewritten):
-    if not rewritten and ranks.world_size != 2:
-        pytest.skip("nothing is rewritten in this client's graphs yet: one world size shows the compiled client runs")
+AG, RS, AR = "all_gather_matmul", "matmul_reduce_scatter", "all_reduce"
+DENSE = {AG: 9, RS: 9}  # forward and backward, as at world size 8 (test_clients.py)
+# MoE: as at world size 8 (5 + 2 gathers, 2 + 3 scatters); Hugging Face: 5 + 11 all-reduces, their
+# halves 4 + 11 Flash-RS and 5 + 4 Flash-AG.
+CLIENTS = {
+    "titan_llama3-spmd_types": ("titan_llama3", {"spmd_backend": "spmd_types"}, DENSE),
+    "titan_llama3-partial_dtensor": ("titan_llama3", {"spmd_backend": "partial_dtensor"}, DENSE),
+    "titan_qwen3-spmd_types": ("titan_qwen3", {"spmd_backend": "spmd_types"}, DENSE),
+    "titan_qwen3_moe-spmd_types": ("titan_qwen3_moe", {"spmd_backend": "spmd_types"}, {AG: 7, RS: 5}),
+    "hf_llama": ("hf_llama", {}, {AR: 16, RS: 15, AG: 9}),
+    "hf_qwen3": ("hf_qwen3", {}, {AR: 16, RS: 15, AG: 9}),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIENTS))
+def test_client_trains_like_eager(ranks, case):
+    builder, kwargs, rewritten = CLIENTS[case]
     results = ranks.run(train_against_eager, builder, kwargs)
     worst = max(row["max_abs_diff"] for r in results for row in r["rows"])
-    print(f"\n{builder} ws={ranks.world_size}: {results[0]['rewritten']} sites rewritten, max |compiled - eager| over parameters = {worst:.3g}")
+    print(f"\n{case} ws={ranks.world_size}: rewritten {results[0]['rewritten']}, max |compiled - eager| over parameters = {worst:.3g}")
     for rank, result in enumerate(results):
-        assert result["rewritten"] == rewritten, result
+        assert result["rewritten"] == rewritten, result["rewritten"]
         for e, c in zip(result["eager_losses"], result["compiled_losses"]):
             assert abs(c - e) <= ATOL + RTOL * abs(e), (rank, result["eager_losses"], result["compiled_losses"])
         bad = [row for row in result["rows"] if not row["close"]]

@@ -343,3 +343,48 @@ def test_symbolic_batch_with_a_static_cut_dim_is_rewritten(world):
                 assert (resized.args[0].name, resized.args[1]) == (gather.args[0].name, 0)  # the shard's batch
                 (times,) = [n for n in rewritten.nodes if n.target is operator.mul and resized in n.args]
                 assert times.args == (resized, WORLD)
+
+
+def _plain_tp_block(world):
+    def block(x, w1, w2, w3):
+        """Row-parallel matmul → all-reduce → residual add, RMSNorm → column-parallel matmul."""
+        h = x + funcol.all_reduce(torch.relu(x @ w1) @ w2, "sum", world)
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return n @ w3, h
+
+    return block
+
+
+def test_all_reduce_between_matmuls_is_split_into_flash_rs_and_flash_ag(world):
+    """Plain TP: the all-reduce becomes a reduce-scatter (Flash-RS after the row-parallel
+    matmul) and an all-gather (Flash-AG before the next matmul); the residual add and the norm
+    are computed on each arriving piece, and the residual stream h is rebuilt from them."""
+    x = torch.randn(2, 16, 8)
+    graphs = post_grad_graphs(_plain_tp_block(world), x, torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4), backward=False)
+    (graph,) = graphs.values()
+    for rank in (0, 5):
+        rewritten, sites, _ = rewrite_as(graph, rank, "inference")
+        assert [(s.pattern, s.decision) for s in sites] == [
+            ("all_reduce", "rewrite"), ("matmul_reduce_scatter", "rewrite"), ("all_gather_matmul", "rewrite")
+        ]
+        split, scatter, gather = sites
+        assert split.dim == 1 and "split on dim 1 into a reduce-scatter (Flash-RS ring" in split.reason
+        assert any("rsqrt" in n for note in gather.notes if note.startswith("computed on each piece") for n in note.split(", "))
+        targets = [n.target for n in rewritten.nodes]
+        collectives = [t for t in targets if getattr(t, "namespace", "") == "_c10d_functional" and t is not torch.ops._c10d_functional.wait_tensor.default]
+        assert collectives == []  # both halves are rings now
+        assert len(ring_exchanges(rewritten)) == 2 * (WORLD - 1)
+        assert targets.count(torch.ops.aten.rsqrt.default) == WORLD  # the norm on each of 8 pieces
+
+
+def test_all_reduce_left_alone_when_neither_half_decomposes(world):
+    def f(x):
+        return funcol.all_reduce(x * 2, "sum", world) + 1
+
+    (site,) = _sites_of(f, torch.randn(16, 4))
+    assert site.pattern == "all_reduce" and site.action == "skipped"
+    assert site.reason.startswith("neither half can be decomposed: reduce-scatter: reduce-scatter input is produced by mul.Tensor")
+    (site,) = _sites_of(_plain_tp_block(world), torch.randn(2, 16, 8), torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4), flash_ar=False)
+    assert site.action == "skipped" and site.reason == "disabled by option flash_ar=False"
+    (site,) = _sites_of(lambda x: funcol.all_reduce(x, "max", world), torch.randn(16, 4))
+    assert site.reason == "reduce op 'max': only 'sum' and 'avg' split into a reduce-scatter"
