@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from .profiles import HardwareProfile
-from .schedules import flash_ag_steps, flash_rs_steps, pieces_per_chunk
+from .schedules import all_to_all_steps, flash_ag_steps, flash_rs_steps, pieces_per_chunk
 from .simulator import Timeline
 
 COMPUTE, COLLECTIVE = "compute", "collective"
@@ -50,6 +50,7 @@ class Workload:
     matmuls: tuple[Matmul, ...]
     chunk_bytes: int  # one rank's chunk: the shard (all-gather) or one output chunk (reduce-scatter)
     dtype: torch.dtype
+    before: int = 0  # all-to-all: how many of ``matmuls`` come before it (the rest after)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,11 @@ def _collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float,
 
 def _vanilla(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
     comm = _collective_seconds(work, profile, work.chunk_bytes)
+    if work.kind == "all_to_all":  # the ops before, the all-to-all (N - 1 blocks out), the ops after
+        ahead, behind = _sides(work)
+        made = t.add("before", COMPUTE, _compute(ahead, profile, 1, 1.0))
+        t.add("after", COMPUTE, _compute(behind, profile, 1, 1.0), (t.add("all_to_all", COLLECTIVE, comm, (made,)),))
+        return
     compute = _compute(work, profile, 1, 1.0)
     if work.kind == "all_gather_matmul":
         t.add("matmul", COMPUTE, compute, (t.add("all_gather", COLLECTIVE, comm),))
@@ -107,7 +113,39 @@ def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> N
 
 
 def _ring(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    _ring_steps(t, work, profile, "ring", m)
+    if work.kind == "all_to_all":
+        _pairwise_steps(t, work, profile)
+    else:
+        _ring_steps(t, work, profile, "ring", m)
+
+
+def _sides(work: Workload) -> tuple[Workload, Workload]:
+    """An all-to-all's workload as the matmuls before it and those after it."""
+    return (
+        dataclasses.replace(work, matmuls=work.matmuls[: work.before]),
+        dataclasses.replace(work, matmuls=work.matmuls[work.before :]),
+    )
+
+
+def _pairwise_steps(t: Timeline, work: Workload, profile: HardwareProfile) -> None:
+    """Flash-All-to-All as the rewrite emits it (:func:`all_to_all_steps`): the first block to
+    send computed up front, then per step the next block's before-compute and the last
+    arrived block's after-compute overlap the step's transfer (one block each way)."""
+    n, slow = work.group_size, profile.overlap_slowdown
+    ahead, behind = _sides(work)
+    made, used = _compute(ahead, profile, n, slow), _compute(behind, profile, n, slow)
+    transfer = slow * profile.transfer_seconds(work.chunk_bytes)
+    outgoing = t.add("before[first]", COMPUTE, made) if ahead.matmuls else None
+    arrived = None
+    for k, _move in enumerate(all_to_all_steps(n, 0)):
+        send = t.add(f"send[{k}]", "link+", transfer, (outgoing,))
+        if ahead.matmuls:
+            outgoing = t.add(f"before[{k}]", COMPUTE, made, (outgoing,))
+        if behind.matmuls:
+            t.add(f"after[{k}]", COMPUTE, used, (arrived,))
+        arrived = send
+    if behind.matmuls:
+        t.add("after[last]", COMPUTE, used, (arrived,))
 
 
 def _bidirectional(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:

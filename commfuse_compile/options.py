@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 SCHEDULES = ("auto", "ring", "bidirectional", "slicing", "off")
-PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter")
+PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "all_to_all")
 # torch.compile's modes as Inductor defines them (torch._inductor.list_mode_options), less
 # "lite": it turns Inductor's post-grad passes off, and the commfuse pass is one of them.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -34,11 +34,14 @@ class CommfuseOptions:
             profile of the device the graph runs on.
         min_speedup: ``auto`` decomposes a match only if the estimated time of vanilla over
             that of the chosen schedule is at least this; a float for every pattern or a dict
-            keyed by ``"all_gather_matmul"`` / ``"matmul_reduce_scatter"``.
+            keyed by ``"all_gather_matmul"`` / ``"matmul_reduce_scatter"`` / ``"all_to_all"``
+            (an all-reduce's halves use the first two).
         flash_ag: decompose all-gather → matmul at all.
         flash_rs: decompose matmul → reduce-scatter at all.
         flash_ar: split an all-reduce between matmuls into a reduce-scatter and an all-gather,
             each then decomposed as above (Flash-RS, Flash-AG) where its pattern allows.
+        flash_a2a: decompose an equal-split all-to-all next to row-local compute into
+            pairwise steps (Flash-All-to-All).
         fusion: compute the row-local ops next to each ring inside its steps: after Flash-AG
             the elementwise ops, norms over the last dim and replicated-weight matmuls that
             follow; before Flash-RS the ops that produce its matmul's input, including
@@ -60,6 +63,7 @@ class CommfuseOptions:
     flash_ag: bool = True
     flash_rs: bool = True
     flash_ar: bool = True
+    flash_a2a: bool = True
     fusion: bool = True
     pin_order: bool = True
     strict: bool = False
@@ -86,7 +90,7 @@ class CommfuseOptions:
                 f"unknown commfuse option(s) {', '.join(map(repr, unknown))}; "
                 f"valid keys: {', '.join(cls.valid_keys())}"
             )
-        for key in ("flash_ag", "flash_rs", "flash_ar", "fusion", "pin_order", "strict"):
+        for key in ("flash_ag", "flash_rs", "flash_ar", "flash_a2a", "fusion", "pin_order", "strict"):
             if key in options and not isinstance(options[key], bool):
                 raise ValueError(f"commfuse option {key!r} must be True or False, got {options[key]!r}")
         return cls(**options)
@@ -115,7 +119,7 @@ class CommfuseOptions:
             resolve_profile(self.profile)  # raises naming the option and the valid names / fields
 
     def min_speedup_for(self, kind: str) -> float:
-        """The ``min_speedup`` threshold of pattern ``kind`` ("all_gather_matmul" | "matmul_reduce_scatter")."""
+        """The ``min_speedup`` threshold of pattern ``kind`` (one of :data:`PATTERN_KINDS`)."""
         if isinstance(self.min_speedup, Mapping):
             return float(self.min_speedup.get(kind, 1.0))
         return float(self.min_speedup)

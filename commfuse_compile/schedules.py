@@ -22,6 +22,8 @@ piece, and — unless k = N − 1 — sends it on to r + d while receiving the n
 Flash-RS (rank r, step i = 0 .. N-1): stream (p, d) computes the partial of chunk
 (r − d·(1 + i)) mod N, adds the accumulator received from r − d (i > 0), and sends it on to
 r + d (i < N − 1); the last step's chunk is r itself: no tail.
+
+Flash-All-to-All (rank r, step k = 1 .. N-1): send block r + k, receive block r − k.
 """
 
 from __future__ import annotations
@@ -87,3 +89,10 @@ def flash_rs_steps(n: int, r: int, schedule: str, m: int) -> list[list[list[Move
 def slice_pieces(n: int, k: int, s: int) -> list[int]:
     """Slicing with k slices: the pieces slice s carries (piece s of every rank's chunk)."""
     return [j * k + s for j in range(n)]
+
+
+def all_to_all_steps(n: int, r: int) -> list[Move]:
+    """Flash-All-to-All on rank r of n: step k = 1 .. n-1 sends block r + k of the input to rank
+    r + k and receives block r − k of the result from rank r − k (every rank shifts by k, so
+    each send meets its peer's receive); the own block (k = 0) never travels."""
+    return [Move(0, k, (r - k) % n, (r + k) % n, (r - k) % n, sends=True, receives=True) for k in range(1, n)]

@@ -23,30 +23,24 @@ from commfuse_compile.report import Report
 from . import all_reduce
 from .all_gather_matmul import AllGatherMatmul
 from .all_reduce import AllReduce
+from .all_to_all import AllToAll
 from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
-from .graph_utils import GraphSnapshot, c10d, dataflow
+from .graph_utils import GraphSnapshot, dataflow
 from .matmul_reduce_scatter import MatmulReduceScatter
 from .order import pin_ring_order
-from .pattern import Pattern, Undecomposed
+from .pattern import Pattern
 from .plan import one_ring_per_matmul, plan_site
 from .report import record_sites
 from .rewrite import remove_replaced, rewrite_site
 from .site import Site
 
-__all__ = ["PATTERNS", "UNDECOMPOSED", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
+__all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
 
 # Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys). The
 # first two are decomposed into rings; an all-reduce is split into one of each (its halves).
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter(), AllReduce())}
-# Collectives recorded (as skips, with the reason) but not decomposed yet.
-UNDECOMPOSED: dict[str, Pattern] = {
-    p.name: p
-    for p in (
-        Undecomposed("all_to_all", c10d.all_to_all_single.default, "all-to-all"),
-    )
-}
-_BY_NAME = {**PATTERNS, **UNDECOMPOSED}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter(), AllReduce(), AllToAll())}
+_BY_NAME = PATTERNS
 _BY_COLLECTIVE = {target: p for p in _BY_NAME.values() for target in p.collectives}
 
 

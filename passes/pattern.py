@@ -25,10 +25,6 @@ from typing import TYPE_CHECKING, ClassVar
 import networkx as nx
 import torch.fx as fx
 
-from commfuse_compile._compat import resolve_process_group
-
-from .graph_utils import shape_of
-from .layout import single_wait
 from .site import Site
 
 if TYPE_CHECKING:
@@ -58,6 +54,10 @@ class Pattern:
         """Why ``consumer`` cannot be computed in ``count`` pieces of the site's tensor, if so."""
         raise NotImplementedError
 
+    def schedule_problem(self, schedule: str, m: int) -> str | None:
+        """Why the pattern has no rewrite under ``schedule`` with m pieces, if so (None by default)."""
+        return None
+
     def workload(self, site: Site) -> Workload:
         raise NotImplementedError
 
@@ -75,19 +75,3 @@ class Pattern:
         for consumer in site.consumers:
             nodes |= {consumer.mm, *consumer.views, *consumer.permutes}
         return nodes
-
-
-class Undecomposed(Pattern):
-    """A collective commfuse sees but has no rewrite for yet (all-to-all): recorded
-    as a skip with its reason, so a report never hides a collective it left alone."""
-
-    flash = option = ""
-
-    def __init__(self, name: str, target, what: str):
-        self.name, self.collectives, self.what = name, frozenset({target}), what
-
-    def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
-        group_name = node.args[-1]
-        site = Site(self.name, graph_kind, node, single_wait(node), group_name, resolve_process_group(group_name).size())
-        site.shapes["input"] = shape_of(node.args[0])
-        return site.skip(f"{self.what}: commfuse has no rewrite for it yet")

@@ -48,9 +48,13 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions, pa
     profile = resolve_profile(options.profile, fake(site.collective).device.type)
     vanilla = estimate(work, profile, "vanilla")
     feasible, infeasible = [], []
-    for schedule, m in candidates("auto" if options.schedule == "off" else options.schedule, options.chunks_per_rank):
+    considered = candidates("auto" if options.schedule == "off" else options.schedule, options.chunks_per_rank)
+    if options.schedule in ("auto", "off"):  # (what the pattern has no rewrite for at all goes unsaid)
+        considered = [(s, m) for s, m in considered if pattern.schedule_problem(s, m) is None] or considered
+    for schedule, m in considered:
         count = site.group_size * pieces_per_chunk(schedule, m)
         problems = [p for c in site.consumers if (p := pattern.cut_problem(site, tensor, c, count))]
+        problems = [p for p in [pattern.schedule_problem(schedule, m)] if p] + problems
         (infeasible if problems else feasible).append((schedule, m, problems[0] if problems else ""))
     if infeasible and feasible:  # say what could not be considered, and why (the first reason)
         labels = ", ".join(f"{schedule}(m={m})" for schedule, m, _ in infeasible)

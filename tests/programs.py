@@ -196,6 +196,34 @@ def plain_tp(x, w1, w2):
     return h + block(n, w1.flip(0), w2)
 
 
+def expert_parallel(x, w1, w2):
+    """An expert-parallel MoE layer, one expert per rank and a fixed capacity: this rank's tokens
+    [N·C, H], grouped by expert and scaled by their gate (row-local), are dispatched (block j to
+    rank j), this rank's expert FFN (W1, W2: its own) runs on what arrived, and the outputs are
+    combined back (block j to rank j) and scaled again."""
+    gate = torch.sigmoid(x.mean(-1, keepdim=True))
+    routed = funcol.all_to_all_single_autograd(x * gate, None, None, _group())
+    y = F.silu(routed @ w1) @ w2
+    back = funcol.all_to_all_single_autograd(y, None, None, _group())
+    return back * gate
+
+
+def ulysses(x, w1, w2):
+    """Ulysses sequence parallelism, one head per rank: this rank's rows of the sequence [S/N, H],
+    replicated q/k/v weights, one all-to-all from sequence- to head-sharded q, k and v, causal
+    attention of this rank's head over the whole sequence, an all-to-all back (the output of
+    head j for this rank's rows from rank j) and the (per-rank) projections W1, W2."""
+    n, (rows, hidden) = dist.get_world_size(), x.shape
+    d = hidden // n
+    mix = torch.linspace(-1.0, 1.0, hidden * 3 * hidden, dtype=x.dtype).view(hidden, 3 * hidden) / hidden**0.5  # replicated
+    qkv = (x @ mix).view(rows, 3, n, d).permute(2, 1, 0, 3).contiguous()  # [n heads, 3, S/N, d]
+    mine = funcol.all_to_all_single_autograd(qkv.view(-1, d), None, None, _group()).view(n, 3, rows, d)
+    q, k, v = mine.permute(1, 0, 2, 3).reshape(3, 1, 1, n * rows, d).unbind(0)  # [1, 1, S, d]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).view(n * rows, d)  # rows of S
+    back = funcol.all_to_all_single_autograd(o, None, None, _group()).view(n, rows, d)  # [heads, S/N, d]
+    return F.silu(back.permute(1, 0, 2).reshape(rows, hidden) @ w1) @ w2
+
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -250,6 +278,8 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "scaled_tensorwise": (scaled_tensorwise, (16, 16)),
     "scaled_rowwise": (scaled_rowwise, (16, 16)),
     "plain_tp": (plain_tp, (2, 16, 16)),  # replicated
+    "expert_parallel": (expert_parallel, (0, 16)),  # [N·C, H]: C = 4 tokens per expert (below)
+    "ulysses": (ulysses, (8, 16)),
 }
 SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1}
 REPLICATED = {"plain_tp"}  # the activation is the same on every rank
@@ -261,6 +291,8 @@ def make_inputs(program: str, rank: int, world: int, dtype: torch.dtype, batch: 
     """This rank's activation shard, column shard of W1 and row shard of W2 (leaf tensors);
     ``batch`` replaces the activation's dim 0 (a [B, S/N, H] program's batch)."""
     _, shard_shape = PROGRAMS[program]
+    if program == "expert_parallel":  # capacity 4 per expert
+        shard_shape = (4 * world, *shard_shape[1:])
     if batch is not None:
         shard_shape = (batch, *shard_shape[1:])
     dim = SHARD_DIM.get(program, 0)

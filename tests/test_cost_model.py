@@ -50,6 +50,19 @@ def test_ring_is_bound_by_links_when_transfers_dominate():
     assert estimate(w, ROUND, "bidirectional", 1).seconds == pytest.approx(3 * 0.021 + 0.004)
 
 
+def test_all_to_all_hides_all_but_the_first_and_last_block():
+    """One matmul before (0.8 s whole) and one after: vanilla computes, exchanges 3 blocks of 5 ms
+    each, computes; the pairwise steps compute block r + 1 first (0.2 s) and the last arrived
+    block after the last step (0.2 s), everything else overlapping its step's transfer."""
+    a2a = Workload("all_to_all", 4, (Matmul(400, 1000, 1000), Matmul(400, 1000, 1000)), 4_000_000, torch.float32, before=1)
+    assert estimate(a2a, ROUND, "vanilla").seconds == pytest.approx(0.8 + 3 * 0.005 + 0.8)
+    ring = estimate(a2a, ROUND, "ring", 1)
+    assert ring.seconds == pytest.approx(8 * 0.2)  # 4 blocks before, 4 after, one lane
+    assert ring.exposed_comm == pytest.approx(0.0)
+    after_only = Workload("all_to_all", 4, (Matmul(400, 1000, 1000),), 4_000_000, torch.float32)
+    assert estimate(after_only, ROUND, "ring", 1).seconds == pytest.approx(4 * 0.2)
+
+
 def test_reduce_scatter_ring_ends_on_its_own_chunk():
     # Flash-RS: the matmul of step 0 (0.2 s) precedes the first transfer; 3 transfers of 5 ms
     # each overlap the next matmul; the last step adds the last received partial.

@@ -55,6 +55,12 @@ EXPECTED_SITES = {
         ("backward", "all_reduce", "rewritten"), ("backward", "matmul_reduce_scatter", "rewritten"), ("backward", "all_gather_matmul", "rewritten"),
         ("backward", "all_reduce", "rewritten"), ("backward", "matmul_reduce_scatter", "rewritten"), ("backward", "all_gather_matmul", "skipped"),
     ],
+    # Expert parallelism: the dispatch (gate before, expert FFN after) and the combine (the gate
+    # after; its FFN is already in the dispatch's steps) all-to-alls, and their backward ones.
+    "expert_parallel": [("forward", "all_to_all", "rewritten")] * 2 + [("backward", "all_to_all", "rewritten")] * 2,
+    # Ulysses: q/k/v to heads (their layout copy per block) and back (query-split attention
+    # computed per outgoing block, own last), and the backward all-to-alls.
+    "ulysses": [("forward", "all_to_all", "rewritten")] * 2 + [("backward", "all_to_all", "rewritten")] * 2,
     # Backward recomputes the forward gather (a second all-gather → matmul) before its own.
     "saved_scatter": REWRITTEN_EVERYWHERE[:3] + [("backward", "all_gather_matmul", "rewritten"), ("backward", "matmul_reduce_scatter", "rewritten")],
 }
@@ -65,6 +71,7 @@ EXPECTED_SITES = {
 EXPECTED_FUSED = {
     "row_local": {("forward", "all_gather_matmul"): "mm", ("backward", "all_gather_matmul"): "sum"},
     "attention": {("forward", "matmul_reduce_scatter"): "_scaled_dot_product_flash_attention_for_cpu"},
+    "ulysses": {("forward", "all_to_all"): "_scaled_dot_product_flash_attention_for_cpu"},
 }
 
 
@@ -93,7 +100,7 @@ def test_ring_exchange_does_not_leak_work(ranks):
 # The fp8 programs take bf16 inputs (their products are bf16).
 CASES = [(p, "fp32") for p in EXPECTED_SITES if p not in ("attention", "batch1_view", "sequence_parallel") and not p.startswith("scaled")] + [
     (p, "bf16")
-    for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim", "scaled_rowwise", "plain_tp")
+    for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim", "scaled_rowwise", "plain_tp", "expert_parallel", "ulysses")
 ]
 
 

@@ -388,3 +388,27 @@ def test_all_reduce_left_alone_when_neither_half_decomposes(world):
     assert site.action == "skipped" and site.reason == "disabled by option flash_ar=False"
     (site,) = _sites_of(lambda x: funcol.all_reduce(x, "max", world), torch.randn(16, 4))
     assert site.reason == "reduce op 'max': only 'sum' and 'avg' split into a reduce-scatter"
+
+
+def test_all_to_all_steps_and_peers_of_every_rank(world):
+    """Flash-All-to-All on an expert-parallel layer: on every rank, each all-to-all is N − 1
+    pairwise steps, step k sending to r + k and receiving from r − k (the own block never
+    travels), with the expert FFN computed on the blocks as they arrive."""
+    import programs
+
+    inputs = programs.make_inputs("expert_parallel", 0, WORLD, torch.float32)
+    graphs = post_grad_graphs(programs.expert_parallel, *inputs)
+    for kind, graph in graphs.items():
+        for r in range(WORLD):
+            rewritten, sites, _ = rewrite_as(graph, r, kind)
+            assert [(s.pattern, s.decision) for s in sites] == [("all_to_all", "rewrite")] * 2, [s.reason for s in sites]
+            peers = [tuple(n.args[1:3]) for n in ring_exchanges(rewritten)]
+            expected = [((r + k) % WORLD, (r - k) % WORLD) for k in range(1, WORLD)]
+            assert peers == expected * 2, (kind, r, peers)
+            for site in sites:
+                assert [step.chunk for step in site.steps] == [(r - k) % WORLD for k in range(1, WORLD)]
+                sent = [step.start.args[0] for step in site.steps]
+                assert len(set(sent)) == WORLD - 1  # a block of its own per step
+            dispatch = sites[0] if kind == "forward" else None
+            if dispatch is not None:  # the FFN's matmuls inside the steps, the first ones at step 1
+                assert any(n.target is torch.ops.aten.mm.default for n in dispatch.steps[1].compute)

@@ -1,0 +1,174 @@
+"""Pattern ``all_to_all``: an equal-split all-to-all next to row-local compute, as Flash-All-to-All.
+
+Matches (post-grad aten graph, functional collectives)::
+
+    all_to_all_single(x, splits, splits, group) -> wait_tensor     equal splits: x is N blocks
+                                                                   of dim 0
+
+Block j of ``x`` goes to rank j, and the block received from rank j lands at block j of the
+result. Ops row-local in dim 0 next to it are computed block by block (:mod:`.regions`): *after*
+it (the expert FFN on the tokens received from rank j in an MoE dispatch, the layout ops and
+projections of Ulysses), each block as it arrives; *before* it (the expert output sent back in
+an MoE combine, query-split attention before Ulysses' second all-to-all), each outgoing block
+just before its step.
+
+The cost model times (:func:`AllToAll.workload`): the matmuls of both sides, cut into N blocks,
+and one block in bytes: vanilla (the ops before, the all-to-all, the ops after) against the N − 1
+pairwise steps.
+
+Emits (rank r; :func:`commfuse_compile.schedules.all_to_all_steps`)::
+
+    out_r = x_r                                    # never travels: after-compute starts at once
+    send = x_{r+1}                                 # before-compute: the first block to send
+    for k in 1 .. N-1:
+        recv = ring_exchange(send, to=r+k, from=r-k)
+        compute x_{r+k+1} (x_r at the last step)   # before: the next block to send, own last
+        compute after(out_j) for the block j that arrived last (out_r at the first step)
+        out_{r-k} = wait_tensor(recv)
+    compute after(out_{r-N+1})                     # the last block (with a before side: also out_r)
+    out = cat(out_0, ..., out_{N-1})               # only if something reads it whole
+
+Nothing waits on the network first (the own block) and the before side's last step computes
+the own block (no transfer); with both sides, the own block's after-compute waits for its
+before-compute, at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import torch.fx as fx
+
+from commfuse_compile._compat import resolve_process_group
+from commfuse_compile.cost_model import Matmul, Workload
+from commfuse_compile.schedules import all_to_all_steps
+
+from .fusion import Fuse
+from .graph_utils import MATMULS, WAIT, Emitter, aten, bytes_of, c10d, describe_users, fake, hinted_shape, left_operand, ring_exchange_op, shape_of
+from .layout import single_wait
+from .pattern import Pattern
+from .pieces import Pieces
+from .regions import Region, backward_region, forward_region
+from .site import RingStep, Site
+
+ALL_TO_ALL = c10d.all_to_all_single.default
+
+
+class AllToAll(Pattern):
+    name = "all_to_all"
+    flash = "Flash-All-to-All"
+    option = "flash_a2a"
+    collectives = frozenset({ALL_TO_ALL})
+
+    def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+        x, out_splits, in_splits, group_name = node.args[:4]
+        n = resolve_process_group(group_name).size()
+        site = Site(self.name, graph_kind, node, single_wait(node), group_name, n)
+        site.shapes["input"] = shape_of(x)
+        site.tensor, site.dim = x, 0
+        if site.wait is None:
+            return site.skip(f"all-to-all is not read through a single wait_tensor (users: {describe_users(node)})")
+        rows = fake(x).shape[0]
+        if any(not isinstance(v, int) for splits in (out_splits, in_splits) if splits is not None for v in splits):
+            return site.skip("splits known only at run time (data-dependent token counts, as in MoE routing): its blocks cannot be cut statically")
+        if not isinstance(rows, int):
+            return site.skip(f"dim 0 of {list(fake(x).shape)} is symbolic: its blocks cannot be cut statically")
+        even = [rows // n] * n
+        if rows % n or [list(s) for s in (out_splits, in_splits) if s is not None and list(s) != even]:
+            return site.skip(f"uneven splits (input {in_splits}, output {out_splits} of {rows} rows): not yet supported")
+        return site
+
+    def keep_computable(self, site: Site, tensor: list[int]) -> str | None:
+        before, after = regions(site, site.group_size, set())
+        if before is None and after is None:
+            return "no row-local compute before or after the all-to-all: nothing to overlap with"
+        return None
+
+    def schedule_problem(self, schedule: str, m: int) -> str | None:
+        if schedule != "ring" or m != 1:
+            return "the all-to-all is decomposed pairwise, one block per step: schedule='ring' with chunks_per_rank=1 only"
+        return None
+
+    def workload(self, site: Site) -> Workload:
+        """The matmuls of both sides (rows cut into the N blocks), and one block's bytes."""
+        before, after = regions(site, site.group_size, set())
+        sides = [[_matmul(n) for n in (r.computed if r else ()) if n.target in MATMULS] for r in (before, after)]
+        block = bytes_of(fake(site.collective.args[0])) // site.group_size
+        dtype = fake(site.collective.args[0]).dtype
+        return Workload(self.name, site.group_size, (*sides[0], *sides[1]), block, dtype, before=len(sides[0]))
+
+    def emit(self, graph: fx.Graph, site: Site, rank: int, tags: itertools.count, fuse: Fuse) -> None:
+        n, r, x = site.group_size, rank, site.collective.args[0]
+        before, after = regions(site, n, fuse.reserved - _own(site))
+        emit = Emitter(graph, before=site.wait)
+        made = Pieces(before) if before else None
+        used = Pieces(after) if after else None
+        size = fake(x).shape[0] // n
+
+        def block(j: int) -> fx.Node:  # block j of the input: computed before, or sliced
+            return made.piece(emit, x, 0, j) if made else emit(aten.slice.Tensor, x, 0, j * size, (j + 1) * size)
+
+        def consume(j: int) -> list[fx.Node]:  # the after side on block j of the result
+            if used is None:
+                return []
+            used.give(site.wait, j, out[j])
+            return used.compute(emit, j)
+
+        steps = all_to_all_steps(n, r)
+        out: list[fx.Node | None] = [None] * n
+        ready: list[int] = []
+        if made is None:
+            out[r] = block(r)
+            ready.append(r)
+        outgoing = block(steps[0].send_to) if made is not None else None
+        exchange = ring_exchange_op()
+        for i, mv in enumerate(steps):
+            if made is None:  # nothing to compute before: a slice of the input
+                outgoing = block(mv.send_to)
+            start = emit(exchange, outgoing, mv.send_to, mv.recv_from, site.group_name, next(tags))
+            compute = []
+            if made is not None:  # the next block to send, or the own block at the last step
+                following = steps[i + 1].send_to if i + 1 < len(steps) else r
+                outgoing = block(following)
+                compute.append(outgoing)
+                if following == r:
+                    out[r] = outgoing
+                    ready.append(r)
+            while ready and (made is None or ready[0] != r or i + 1 == len(steps)):
+                compute += consume(ready.pop(0))
+            wait = emit(WAIT, start)
+            out[mv.recv_from] = wait
+            ready.append(mv.recv_from)
+            site.steps.append(RingStep(chunk=mv.recv_from, compute=compute, start=start, wait=wait))
+        for j in ready:  # what arrived last, after its wait
+            consume(j)
+        result = emit(aten.cat.default, out, 0)
+        if used is not None:
+            used.assemble(emit)
+        if made is not None:
+            made.assemble(emit)
+        site.wait.replace_all_uses_with(result)
+        site.fused = [*(before.computed if before else []), *(after.computed if after else [])]
+        sides = [f"{side}: {region.describe()}" for side, region in (("before", before), ("after", after)) if region is not None]
+        site.notes.append("fused into the steps: " + ("; ".join(sides) or "nothing (its neighbours are in another site's steps)"))
+
+    def reserved(self, site: Site) -> set[fx.Node]:
+        return _own(site)
+
+
+def regions(site: Site, count: int, reserved: set[fx.Node]) -> tuple[Region | None, Region | None]:
+    """The row-local ops producing the all-to-all's input and reading its result, block by block."""
+    x = site.collective.args[0]
+    before = backward_region({x: 0}, count, reserved, [], site.notes)
+    after = forward_region(site.wait.graph, site, {site.wait: 0}, count, reserved)
+    return before, after
+
+
+def _own(site: Site) -> set[fx.Node]:
+    return {site.collective, site.wait}
+
+
+def _matmul(node: fx.Node) -> Matmul:
+    rows, cols = hinted_shape(node)
+    return Matmul(rows, hinted_shape(left_operand(node))[-1], cols, "m")
