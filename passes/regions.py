@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from .attention import SDPA
+from .graph_utils import WAIT
 from .rowlocal import VIEWS, axes_of, input_axes
 from .site import Site
 
@@ -45,7 +46,7 @@ def forward_region(
     """The row-local ops after a Flash-AG site's matmuls (``given``: their outputs, with the
     axis their pieces are cut along), or None if there is nothing to compute there. Ops whose
     target is in ``stop_at`` are not entered; ``trim=False`` keeps every node reached."""
-    depends_on_ring = _descendants(site.wait)
+    depends_on_ring = _after_waits(graph, site.wait)
     axis = dict(given)
     for node in graph.nodes:
         if node in axis or node in reserved or node.op != "call_function" or node.target in stop_at:
@@ -113,8 +114,18 @@ def _trimmed(region: Region, downstream: bool) -> Region | None:
         return None
     return Region({n: a for n, a in region.axis.items() if n in kept or n in region.given}, region.count, region.given)
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    return _reachable([node], lambda n: n.users)
+def _after_waits(graph: fx.Graph, wait: fx.Node) -> set[fx.Node]:
+    """What depends on ``wait`` or on any wait after it: a step cannot read those, since every
+    wait is pinned after the one before it (``order.py``), so a later collective's result is
+    not there yet when this ring's steps run (attention on q's pieces reading k and v that
+    another all-to-all brings)."""
+    tainted: set[fx.Node] = set()
+    seen = False
+    for node in graph.nodes:
+        seen = seen or node is wait
+        if (seen and node.target is WAIT) or any(i in tainted for i in node.all_input_nodes):
+            tainted.add(node)
+    return tainted - {wait} | _reachable([wait], lambda n: n.users)
 
 def _ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     return _reachable(nodes, lambda n: n.all_input_nodes)

@@ -4,8 +4,9 @@ A ring step computes one piece q of the gathered / scattered dim. :func:`input_a
 an op cut into ``count`` pieces along one axis of its output, along which axis each input must
 be cut (or that it is read whole, where it broadcasts) — or that the op mixes pieces. Row-local
 here: pointwise ops (torch's ``pointwise`` tag) with broadcasting, reshapes that keep a piece a
-block, permutes, unsqueeze, expand, reductions over other dims, ``mm`` / ``addmm`` whose right
-operand is read whole (a replicated weight), and attention (:mod:`.attention`).
+block, permutes, unsqueeze, expand, reductions over other dims, ``mm`` / ``addmm`` by rows (the
+right operand read whole: a replicated weight) or by columns (the left read whole, the right
+cut: one head group's projection), and attention (:mod:`.attention`).
 """
 
 from __future__ import annotations
@@ -105,18 +106,18 @@ def _reduced_input_axis(node: fx.Node, axis: int) -> int | None:
     return None if kept[axis] in dims else kept[axis]
 
 def _matmul_axes(node: fx.Node, axis: int) -> dict[fx.Node, int | None] | None:
-    """Rows of ``mm(A, B)`` are rows of A: B is read whole (an addmm's bias is cut like the
-    output, or read whole where it broadcasts)."""
-    if axis != 0:
-        return None
+    """Rows of ``mm(A, B)`` are rows of A, B read whole; columns are columns of B, A read
+    whole (the projection of one head group). An addmm's bias is cut like the output, or read
+    whole where it broadcasts."""
     bias, a, b = node.args if node.target is ADDMM else (None, *node.args)
     if a is b or bias in (a, b):
         return None
-    axes = {a: 0, b: None}
+    axes = {a: 0, b: None} if axis == 0 else {a: None, b: 1}
     if isinstance(bias, fx.Node):
-        bias_shape = fake(bias).shape
-        rows = fake(node).shape[0]
-        axes[bias] = 0 if len(bias_shape) == 2 and same_size(bias_shape[0], rows) and statically_known_true(rows > 1) else None
+        bias_shape, size = fake(bias).shape, fake(node).shape[axis]
+        along = axis - (2 - len(bias_shape))  # (a 1-D bias is a row: only its columns are cut)
+        cut = along >= 0 and same_size(bias_shape[along], size) and statically_known_true(size > 1)
+        axes[bias] = along if cut else None
     return axes
 
 def _broadcast_axes(shape: torch.Size, inputs: list[fx.Node], axis: int) -> dict[fx.Node, int | None] | None:

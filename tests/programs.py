@@ -210,15 +210,19 @@ def expert_parallel(x, w1, w2):
 
 def ulysses(x, w1, w2):
     """Ulysses sequence parallelism, one head per rank: this rank's rows of the sequence [S/N, H],
-    replicated q/k/v weights, one all-to-all from sequence- to head-sharded q, k and v, causal
-    attention of this rank's head over the whole sequence, an all-to-all back (the output of
-    head j for this rank's rows from rank j) and the (per-rank) projections W1, W2."""
+    replicated q / k / v weights, an all-to-all each from sequence- to head-sharded (head j's
+    columns to rank j), causal attention of this rank's head over the whole sequence, an
+    all-to-all back (head j's output for this rank's rows from rank j) and the (per-rank)
+    projections W1, W2."""
     n, (rows, hidden) = dist.get_world_size(), x.shape
     d = hidden // n
-    mix = torch.linspace(-1.0, 1.0, hidden * 3 * hidden, dtype=x.dtype).view(hidden, 3 * hidden) / hidden**0.5  # replicated
-    qkv = (x @ mix).view(rows, 3, n, d).permute(2, 1, 0, 3).contiguous()  # [n heads, 3, S/N, d]
-    mine = funcol.all_to_all_single_autograd(qkv.view(-1, d), None, None, _group()).view(n, 3, rows, d)
-    q, k, v = mine.permute(1, 0, 2, 3).reshape(3, 1, 1, n * rows, d).unbind(0)  # [1, 1, S, d]
+    mix = torch.linspace(-1.0, 1.0, hidden * hidden, dtype=x.dtype).view(hidden, hidden) / hidden**0.5  # replicated
+
+    def to_heads(w):  # [S/N, H] -> [n heads, S/N, d] -> this rank's head over the sequence [1, 1, S, d]
+        heads = (x @ w).view(rows, n, d).permute(1, 0, 2).contiguous()
+        return funcol.all_to_all_single_autograd(heads.view(-1, d), None, None, _group()).view(1, 1, n * rows, d)
+
+    q, k, v = to_heads(mix), to_heads(mix.flip(0)), to_heads(0.5 * mix)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True).view(n * rows, d)  # rows of S
     back = funcol.all_to_all_single_autograd(o, None, None, _group()).view(n, rows, d)  # [heads, S/N, d]
     return F.silu(back.permute(1, 0, 2).reshape(rows, hidden) @ w1) @ w2

@@ -117,3 +117,23 @@ def test_fake_world_checks_its_arguments():
 
 def test_the_backend_reports_the_same_type(report):
     assert isinstance(commfuse_compile.last_report(), Report)
+
+
+def test_all_to_all_in_the_summary_dot_and_trace(tmp_path):
+    """Flash-All-to-All shows like the rings: a row per match, its pairwise steps in the DOT, its
+    modelled steps (vanilla and ring) in the Chrome trace."""
+
+    def dispatch(x, w):
+        routed = funcol.all_to_all_single(x * 2, None, None, dist.group.WORLD)
+        return torch.relu(routed @ w)
+
+    with fake_world(WORLD):
+        report = explain(dispatch, torch.randn(32, 16), torch.randn(16, 16), options={"schedule": "ring"})
+    (site,) = report.matches
+    assert site.pattern == "all_to_all" and site.action == "rewritten" and len(site.steps) == WORLD - 1
+    assert "all_to_all" in report.summary()
+    dot = open(report.to_dot(str(tmp_path / "a2a.dot"))).read()
+    assert all(f'"{step.start}" [' in dot for step in site.steps)
+    report.to_chrome_trace(str(tmp_path / "a2a.json"))
+    names = {e["args"]["name"] for e in json.loads((tmp_path / "a2a.json").read_text())["traceEvents"] if e["name"] == "process_name"}
+    assert {n.rsplit(": ", 1)[1] for n in names} == {"vanilla", "ring(m=1)"}

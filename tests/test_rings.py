@@ -58,9 +58,9 @@ EXPECTED_SITES = {
     # Expert parallelism: the dispatch (gate before, expert FFN after) and the combine (the gate
     # after; its FFN is already in the dispatch's steps) all-to-alls, and their backward ones.
     "expert_parallel": [("forward", "all_to_all", "rewritten")] * 2 + [("backward", "all_to_all", "rewritten")] * 2,
-    # Ulysses: q/k/v to heads (their layout copy per block) and back (query-split attention
-    # computed per outgoing block, own last), and the backward all-to-alls.
-    "ulysses": [("forward", "all_to_all", "rewritten")] * 2 + [("backward", "all_to_all", "rewritten")] * 2,
+    # Ulysses: q, k and v to heads (each head group's projection per outgoing block) and back
+    # (query-split attention per outgoing block, own last), and the backward all-to-alls.
+    "ulysses": [("forward", "all_to_all", "rewritten")] * 4 + [("backward", "all_to_all", "rewritten")] * 4,
     # Backward recomputes the forward gather (a second all-gather → matmul) before its own.
     "saved_scatter": REWRITTEN_EVERYWHERE[:3] + [("backward", "all_gather_matmul", "rewritten"), ("backward", "matmul_reduce_scatter", "rewritten")],
 }

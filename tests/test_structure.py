@@ -412,3 +412,33 @@ def test_all_to_all_steps_and_peers_of_every_rank(world):
             dispatch = sites[0] if kind == "forward" else None
             if dispatch is not None:  # the FFN's matmuls inside the steps, the first ones at step 1
                 assert any(n.target is torch.ops.aten.mm.default for n in dispatch.steps[1].compute)
+
+
+def test_ulysses_steps_compute_projections_and_query_split_attention(world):
+    """Ulysses at world size 8: before each of the q / k / v all-to-alls, every step computes
+    the projection of the head group it sends (a column block of the weight, one per step);
+    before the all-to-all back, every step computes the attention of the query block it sends."""
+    import programs
+
+    inputs = programs.make_inputs("ulysses", 0, WORLD, torch.float32)
+    graph = post_grad_graphs(programs.ulysses, *inputs)["forward"]
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def upstream(node, target):  # the nodes of ``target`` that ``node`` is computed from
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack += n.all_input_nodes
+        return {n for n in seen if n.target is target}
+
+    for r in (0, 5):
+        _, sites, _ = rewrite_as(graph, r, "forward", pin_order=False)  # (pinned, a step's inputs include the previous start)
+        assert [(s.pattern, s.decision) for s in sites] == [("all_to_all", "rewrite")] * 4
+        for site in sites[:3]:  # the sent block's projection: mm(x, a column block of W)
+            sent = [upstream(step.start.args[0], torch.ops.aten.mm.default) for step in site.steps]
+            assert all(len(mms) == 1 for mms in sent) and len(set().union(*sent)) == WORLD - 1, site.notes
+            assert all(mm.args[1].meta["val"].shape[1] == 16 // WORLD for mms in sent for mm in mms)  # one head's columns
+        sent = [upstream(step.start.args[0], sdpa) for step in sites[3].steps]
+        assert all(len(s) == 1 for s in sent) and len(set().union(*sent)) == WORLD - 1, sites[3].notes
