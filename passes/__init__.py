@@ -37,11 +37,10 @@ from .site import Site
 
 __all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
 
-# Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys). The
-# first two are decomposed into rings; an all-reduce is split into one of each (its halves).
+# Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys). An
+# all-reduce is split into one of the first two (its halves); the others emit their own steps.
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter(), AllReduce(), AllToAll())}
-_BY_NAME = PATTERNS
-_BY_COLLECTIVE = {target: p for p in _BY_NAME.values() for target in p.collectives}
+_BY_COLLECTIVE = {target: p for p in PATTERNS.values() for target in p.collectives}
 
 
 def group_rank(group_name: str) -> int:
@@ -114,12 +113,12 @@ def run_pipeline(
     snapshot = GraphSnapshot(graph)
     try:
         sites, splits = _split_all_reduces(graph, find_sites(graph, kind), options, kind)
-        sites = [site if site.pattern == AllReduce.name else plan_site(site, options, _BY_NAME[site.pattern]) for site in sites]
+        sites = [site if site.pattern == AllReduce.name else plan_site(site, options, PATTERNS[site.pattern]) for site in sites]
         one_ring_per_matmul(sites)
         sites = _settle_all_reduces(graph, sites, splits)
         plans = [plan_of(site) for site in sites]  # (before the rewrite erases the collectives)
         tags = itertools.count(1)  # same sites in the same order on every rank: tags match
-        reserved = set().union(*(_BY_NAME[site.pattern].reserved(site) for site in sites)) - {None}
+        reserved = set().union(*(PATTERNS[site.pattern].reserved(site) for site in sites)) - {None}
         fuse = Fuse(options.fusion, reserved)
         for site in sites:
             if site.decision == "rewrite" and site.pattern != AllReduce.name:  # (its halves are sites)

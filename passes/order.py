@@ -40,11 +40,11 @@ from .site import Site
 def pin_ring_order(graph: fx.Graph, sites: list[Site], checks: list[fx.Node]) -> None:
     """Pin the rings' steps, and the plan ``checks`` before every collective and the first wait."""
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    waits = [node for node in graph.nodes if node.target is WAIT]
     if checks:
-        waits = [node for node in graph.nodes if node.target is WAIT]
         for node in [n for n in graph.nodes if _is_collective(n)] + waits[:1]:
             deps.setdefault(node, OrderedSet()).update(checks)
-    _ring_deps(sites, graph, deps)
+    _ring_deps(sites, waits, deps)
     preserve_node_ordering(graph, deps)
 
 
@@ -53,7 +53,7 @@ def _is_collective(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional" and target is not WAIT
 
 
-def _ring_deps(sites: list[Site], graph: fx.Graph, deps: dict[fx.Node, OrderedSet[fx.Node]]) -> None:
+def _ring_deps(sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, OrderedSet[fx.Node]]) -> None:
     for site in sites:
         for step in site.steps:
             if step.start is None:
@@ -62,6 +62,5 @@ def _ring_deps(sites: list[Site], graph: fx.Graph, deps: dict[fx.Node, OrderedSe
                 deps.setdefault(compute, OrderedSet()).add(step.start)
             deps.setdefault(step.wait, OrderedSet()).update(step.compute)
     if any(site.steps for site in sites):
-        waits = [node for node in graph.nodes if node.target is WAIT]
         for before, after in zip(waits, waits[1:]):
             deps.setdefault(after, OrderedSet()).add(before)

@@ -125,7 +125,7 @@ def _after_waits(graph: fx.Graph, wait: fx.Node) -> set[fx.Node]:
         seen = seen or node is wait
         if (seen and node.target is WAIT) or any(i in tainted for i in node.all_input_nodes):
             tainted.add(node)
-    return tainted - {wait} | _reachable([wait], lambda n: n.users)
+    return tainted - {wait}  # (its descendants are tainted too: nodes come in topological order)
 
 def _ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     return _reachable(nodes, lambda n: n.all_input_nodes)
