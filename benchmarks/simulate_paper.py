@@ -1,4 +1,4 @@
-"""Check the cost model / simulator against the CommFuse paper (arXiv 2604.24013, REFERENCE §1).
+"""Check the cost model / simulator against the CommFuse paper (arXiv 2604.24013).
 
 Method. Table 1 is "TP=4, forward, one MLP layer 32×4096×4096"; read as [batch, seq, hidden]
 = [32, 4096, 4096] (the sweep scales the sequence dim; the attention row is quoted as (B, S)).

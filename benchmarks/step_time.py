@@ -1,22 +1,26 @@
-"""Step time of a tensor-parallel MLP on real gloo ranks: Inductor vs commfuse's schedules.
+"""Step time of a parallel layer on real gloo ranks: Inductor vs commfuse's schedules.
 
-What is measured. One forward + backward step of a sequence-parallel MLP on N CPU ranks
-(default 2; ``--world-size 4``), each rank holding x [S/N, H], w1 [H, F/N], w2 [F/N, H]::
+What is measured. One forward + backward step of a layer (``--model``, see ``step_models.py``)
+on N CPU ranks (default 2; ``--world-size 4``):
 
-    h = all_gather(x)  ->  relu(h @ w1) @ w2  ->  reduce_scatter(., "sum")
+- ``mlp`` (default): a sequence-parallel MLP, each rank holding x [S/N, H], w1 [H, F/N],
+  w2 [F/N, H]: ``h = all_gather(x) -> relu(h @ w1) @ w2 -> reduce_scatter(., "sum")``, so
+  forward and backward each hold one all-gather → matmul and one matmul → reduce-scatter;
+- ``ulysses``: a Ulysses attention layer, x [S/N, H] and four replicated [H, H] weights: the
+  q / k / v projections each all-to-all'd to head groups, causal attention over the whole
+  sequence, an all-to-all back and the output projection (4 all-to-alls forward, 4 backward).
 
-so forward and backward each hold one all-gather → matmul and one matmul → reduce-scatter.
 Variants, all compiled in the same run on the same ranks: ``inductor`` (Inductor alone),
 ``inductor-reorder`` (Inductor with ``reorder_for_compute_comm_overlap = True``, given as the
 compile's Inductor options, so Dynamo does not reuse plain Inductor's code, and patched with
-``torch._inductor.config.patch`` around every call, which covers the lazy backward compile), and ``backend="commfuse"`` with ``schedule`` = ``slicing``, ``ring``,
-``bidirectional`` and ``auto`` (what ``auto`` decided is read from ``commfuse_compile.reports()``
-and printed; under the ``cpu-gloo`` profile it may leave everything alone). Two parts are timed
-alongside them: ``compute-only`` (the same MLP on the full [S, H] input, no collectives,
-Inductor) and ``comm-only`` (eager all-gather + reduce-scatter + reduce-scatter + all-gather of
-the same tensors, as forward + backward issue them); ``max(compute, comm)`` is the ideal a
-perfect overlap could reach, and each variant's "saving" is the fraction of
-``T_inductor - ideal`` it achieved.
+``torch._inductor.config.patch`` around every call, which covers the lazy backward compile), and
+``backend="commfuse"`` with ``schedule`` = ``slicing``, ``ring``, ``bidirectional`` and ``auto``
+(for ``ulysses`` only ``ring`` and ``auto``: an all-to-all has the ring schedule alone). What
+``auto`` decided is read from ``commfuse_compile.reports()`` and printed; under the ``cpu-gloo``
+profile it may leave everything alone. Two parts are timed alongside them: ``compute-only``
+(the same compute without collectives, Inductor) and ``comm-only`` (the step's collectives,
+eagerly, on tensors of the same sizes); ``max(compute, comm)`` is the ideal a perfect overlap
+could reach, and each variant's "saving" is the fraction of ``T_inductor - ideal`` it achieved.
 
 How. Every variant is compiled and warmed up first (untimed); then ``--rounds`` rounds each run
 ``--steps`` steps of every variant, round-robin, the order rotated every round so no variant
@@ -29,24 +33,22 @@ tempdir) shared by its variants, so a later variant reuses identical kernels: th
 compile seconds are not comparable between variants.
 
 Network. Plain loopback gloo costs CPU, not wall time: on 2 cores the transfer competes with the
-matmuls and overlap cannot show (REFERENCE §2). So when ``unshare -n`` works (root) the script
+matmuls and overlap cannot show. So when ``unshare -n`` works (root) the script
 re-executes itself in a private network namespace whose loopback is shaped by a token bucket
 (``tc qdisc add dev lo root tbf rate RATE burst 512kb latency 100ms``, default 400mbit ≈ 50 MB/s
-shared by all ranks): communication then takes wall time at a few % CPU. Otherwise (or with
+shared by all ranks; 1gbit for ``ulysses``): communication then takes wall time at a few % CPU. Otherwise (or with
 ``--no-shape``) it runs on plain loopback and says so in the output and the JSON.
 
-Sizes. S and H are set so the compute takes about ``--compute-ms`` per step at the matmul rate
-measured here, and F so that the communication takes about ``--comm-ratio`` (0.5) of the
-compute at RATE: fw + bw is 12·S·H·F/N FLOP per rank, and 2 all-gathers moving (N−1)·S·H·4
-bytes in all over the one shaped link plus 2 reduce-scatters (gloo's take about twice as long
-as its all-gathers here). The sizes and the resulting estimates are printed.
+Sizes. Each layer is sized so that its compute takes about ``--compute-ms`` per step at the
+matmul rate measured here and its communication about ``--comm-ratio`` (0.5) of the compute at
+RATE (``step_models.py`` says how); the sizes and the resulting estimates are printed.
 
 Caveat on the ideal. ``comm-only`` times gloo's collectives; a commfuse ring moves (N−1)/N of
 the tensor per rank, the volume of a ring collective, which for the reduce-scatter is about
 half of what gloo's took here, so a ring schedule can come in under ``max(compute, comm)`` (a
 saving above 100%).
 
-Usage: ``python benchmarks/step_time.py [--world-size 4] [--rate 400mbit] [--json out.json]``;
+Usage: ``python benchmarks/step_time.py [--model ulysses] [--world-size 4] [--rate 400mbit] [--json out.json]``;
 ``--quick`` runs tiny sizes (a smoke test, not a measurement).
 """
 
@@ -77,20 +79,13 @@ from _common import (
     site_dict,
     write_json,
 )
+from step_models import WORKLOADS
 
 VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "bidirectional", "auto")
 COMMFUSE_SCHEDULES = ("slicing", "ring", "bidirectional", "auto")
 
 # Set in the re-executed child that runs inside the private network namespace.
 NETNS_ENV = "COMMFUSE_BENCH_NETNS"
-
-# Communication of one fw+bw step in units of one all-gather of [S, H]: 2 all-gathers and 2
-# reduce-scatters, and gloo's reduce-scatter takes 2x its all-gather (measured here at 400mbit:
-# [1280, 512] fp32 over 2 ranks, all-gather 50 ms, reduce-scatter 102 ms; 4 ranks likewise).
-GATHER_EQUIVALENTS = 6
-
-# Tiny sizes for --quick: a smoke test of the machinery, not a measurement.
-QUICK_SIZES = {"S": 64, "H": 32, "F": 64}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,24 +113,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--rate", default="400mbit", help="token-bucket rate of the shaped loopback (tc syntax, default 400mbit)")
+    parser.add_argument("--model", choices=sorted(WORKLOADS), default="mlp", help="the layer timed (default mlp; see step_models.py)")
+    parser.add_argument("--rate", default=None, help="token-bucket rate of the shaped loopback (tc syntax; default 400mbit for mlp, 1gbit for ulysses)")
     parser.add_argument("--no-shape", dest="shape", action="store_false", help="plain loopback: no network namespace, no shaping")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 3; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after its compile (default 2)")
     parser.add_argument("--compute-ms", type=float, default=400.0, help="target compute time of one fw+bw step (default 400)")
     parser.add_argument("--comm-ratio", type=float, default=0.5, help="target communication / compute time (default 0.5)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)} (default: all that apply to the model)")
     parser.add_argument("--chunks-per-rank", type=int, default=None, help="commfuse chunks_per_rank for the fixed schedules (default: theirs)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds of 1 step: a smoke test")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.world_size < 2:
         parser.error("--world-size must be at least 2: one rank has nothing to communicate")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
+    workload = WORKLOADS[args.model]
+    args.rate = args.rate or workload.default_rate
+    args.variants = list(workload.variants) if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(workload.variants))
     if unknown:
-        parser.error(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
+        parser.error(f"variant(s) {unknown} do not apply to --model {args.model}; valid: {', '.join(workload.variants)}")
     if args.rounds is None:
         args.rounds = 2 if args.quick else 5
     if args.steps is None:
@@ -206,54 +204,20 @@ def matmul_flops_per_second() -> float:
         torch.set_num_threads(threads)
 
 
-def plan_sizes(world_size: int, bytes_per_second: float, flops: float, compute_ms: float, comm_ratio: float) -> dict[str, Any]:
-    """S, H, F such that fw+bw compute ≈ ``compute_ms`` and communication ≈ ``comm_ratio`` of it.
-
-    Per rank fw + bw is 12·S·H·F/N FLOP (6 matmuls of S·H·F/N multiply-adds). An all-gather
-    moves (N−1)·S·H·4 bytes in all over the one shaped loopback that all ranks share; gloo's
-    reduce-scatter took twice as long as the all-gather of the same tensor here, so a step's
-    2 + 2 collectives count as 6 all-gathers. Ranks beyond the core count share cores, so each
-    computes at ``flops``·cores/N.
-    """
-    n = world_size
-    per_rank = flops * min(1.0, (os.cpu_count() or 1) / n)
-    comm_per_sh = GATHER_EQUIVALENTS * (n - 1) * 4 / bytes_per_second  # seconds per unit of S·H
-    # comm = ratio · compute  <=>  comm_per_sh = ratio · 12·F / (N · per_rank)
-    f = _round_up(comm_per_sh * n * per_rank / (12 * comm_ratio), 16 * n)
-    h = 512
-    sh = compute_ms / 1e3 * n * per_rank / (12 * f)
-    s = _round_up(sh / h, 32 * n)  # per-rank rows divide by every small m and K
-    return {
-        "S": s,
-        "H": h,
-        "F": f,
-        "matmul_flops_per_rank": per_rank,
-        "link_bytes_per_second": bytes_per_second,
-        "estimated_compute_ms": 12 * s * h * f / n / per_rank * 1e3,
-        "estimated_comm_ms": comm_per_sh * s * h * 1e3,
-    }
-
-
-def _round_up(value: float, quantum: int) -> int:
-    return max(quantum, int(-(-value // quantum)) * quantum)
-
-
 # --- the run ---------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
     """Size the model, run every variant on fresh ranks, and assemble the results."""
-    n = args.world_size
+    n, workload = args.world_size, WORKLOADS[args.model]
     if args.quick:
-        sizes = {"S": QUICK_SIZES["S"] * n // 2, "H": QUICK_SIZES["H"], "F": QUICK_SIZES["F"] * n}
+        sizes = workload.quick_sizes(n)
     else:
         progress("measuring the single-thread matmul rate")
-        # Unshaped: size as if shaped at the default rate (the output says it is not shaped).
-        rate = rate_bytes_per_second(args.rate if network["shaped"] else "400mbit")
-        sizes = plan_sizes(n, rate, matmul_flops_per_second(), args.compute_ms, args.comm_ratio)
+        # Unshaped: size as if shaped at the rate asked for (the output says it is not shaped).
+        sizes = workload.plan_sizes(n, rate_bytes_per_second(args.rate), matmul_flops_per_second(), args.compute_ms, args.comm_ratio)
     progress(
-        f"sizes: S={sizes['S']} H={sizes['H']} F={sizes['F']} (per rank x [{sizes['S'] // n}, {sizes['H']}], "
-        f"w1 [{sizes['H']}, {sizes['F'] // n}], w2 [{sizes['F'] // n}, {sizes['H']}])"
+        f"{args.model} sizes: {workload.describe(sizes, n)}"
         + (
             f"; estimated compute {sizes['estimated_compute_ms']:.0f} ms, comm {sizes['estimated_comm_ms']:.0f} ms per step"
             if "estimated_compute_ms" in sizes
@@ -261,9 +225,8 @@ def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
         )
     )
     config = {
-        "S": sizes["S"],
-        "H": sizes["H"],
-        "F": sizes["F"],
+        "model": args.model,
+        "sizes": {k: sizes[k] for k in ("S", "H", "F") if k in sizes},
         "variants": args.variants,
         "chunks_per_rank": args.chunks_per_rank,
         "rounds": args.rounds,
@@ -298,6 +261,7 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], sizes: dict[str,
         }
     return {
         "benchmark": "step_time",
+        "model": args.model,
         "machine": machine_info(),
         "network": network,
         "shaped": network["shaped"],
@@ -320,9 +284,10 @@ def render(results: dict[str, Any]) -> str:
         rows.append([name, v["median_ms"], v["min_ms"], _ratio(v["ratio_to_inductor"]), _percent(v["saving_fraction"]), v["compile_s"], _sites(v["sites"])])
     parts = results["parts"]
     n, s = results["world_size"], results["sizes"]
+    shape = " ".join(f"{k}={s[k]}" for k in ("S", "H", "F") if k in s)
     lines = [
         "",
-        f"step time, fw+bw, world size {n}, S={s['S']} H={s['H']} F={s['F']}, "
+        f"step time, {results['model']}, fw+bw, world size {n}, {shape}, "
         f"{'shaped loopback ' + results['network'].get('rate', '') if results['shaped'] else 'UNSHAPED loopback'}, "
         f"{results['rounds']} rounds x {results['steps_per_round']} steps, rank 0",
         format_table(["variant", "median ms", "min ms", "vs inductor", "saving", "compile s", "commfuse sites"], rows, left=(0, 6)),
@@ -370,32 +335,6 @@ def _decision(site: dict[str, Any]) -> str:
 # --- on every rank ---------------------------------------------------------------------------
 
 
-class SequenceParallelMLP(torch.nn.Module):
-    """all_gather → relu(h @ w1) @ w2 → reduce_scatter, on this rank's shards."""
-
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, group: Any):
-        super().__init__()
-        self.w1, self.w2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed._functional_collectives as funcol
-
-        h = funcol.all_gather_single(x, 0, self.group)
-        return funcol.reduce_scatter_single(torch.relu(h @ self.w1) @ self.w2, "sum", 0, self.group)
-
-
-class ComputeOnlyMLP(torch.nn.Module):
-    """The same matmuls on the full [S, H] input, without collectives."""
-
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
-        super().__init__()
-        self.w1, self.w2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.relu(h @ self.w1) @ self.w2
-
-
 def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     """On one rank: compile and warm up every variant, then time them round-robin."""
     import torch.distributed as dist
@@ -405,27 +344,21 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
     # Several compiled variants of the same forward: more entries than Dynamo's default limit.
     torch._dynamo.config.recompile_limit = 64
-    s, h, f = config["S"], config["H"], config["F"]
-    gen = torch.Generator().manual_seed(rank)
-    w1 = torch.randn(h, f // n, generator=gen) / h**0.5
-    w2 = torch.randn(f // n, h, generator=gen) / (f // n) ** 0.5
-    x = torch.randn(s // n, h, generator=gen).requires_grad_()
-    g = torch.randn(s // n, h, generator=gen)
-    group = dist.group.WORLD
+    workload, sizes, group = WORKLOADS[config["model"]], config["sizes"], dist.group.WORLD
 
     steps: dict[str, Callable[[], None]] = {}
     compile_s: dict[str, float] = {}
     sites: dict[str, list[dict[str, Any]]] = {}
     for name in config["variants"]:
-        model = SequenceParallelMLP(w1, w2, group)
+        model, x, g = workload.build(sizes, rank, n, group)
         steps[name] = _variant_step(name, model, x, g, config["chunks_per_rank"])
         before = len(commfuse_compile.reports())
         compile_s[name] = _warm_up(name, steps[name], config["warmup"], rank)
         if name in COMMFUSE_SCHEDULES:
             sites[name] = [site_dict(site) for rep in commfuse_compile.reports()[before:] for site in rep.sites]
-    steps["compute-only"] = _compute_only_step(w1, w2, s, h, gen)
+    steps["compute-only"] = workload.compute_only(sizes, rank, n)
     compile_s["compute-only"] = _warm_up("compute-only", steps["compute-only"], config["warmup"], rank)
-    steps["comm-only"] = _comm_only_step(x.detach(), s, h, group)
+    steps["comm-only"] = workload.comm_only(sizes, n, group)
     compile_s["comm-only"] = _warm_up("comm-only", steps["comm-only"], config["warmup"], rank)
 
     names = list(steps)
@@ -470,38 +403,6 @@ def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.T
             p.grad = None
         with context():
             compiled(x).backward(g)
-
-    return step
-
-
-def _compute_only_step(w1: torch.Tensor, w2: torch.Tensor, s: int, h: int, gen: torch.Generator) -> Callable[[], None]:
-    model = ComputeOnlyMLP(w1, w2)
-    compiled = torch.compile(model, backend="inductor")
-    full = torch.randn(s, h, generator=gen).requires_grad_()
-    grad = torch.randn(s, h, generator=gen)
-
-    def step() -> None:
-        full.grad = None
-        for p in model.parameters():
-            p.grad = None
-        compiled(full).backward(grad)
-
-    return step
-
-
-def _comm_only_step(x: torch.Tensor, s: int, h: int, group: Any) -> Callable[[], None]:
-    """The collectives of one fw+bw step, eagerly: AG(x), RS(y), RS(dh), AG(dout)."""
-    import torch.distributed as dist
-
-    n = dist.get_world_size(group)
-    gathered, full = torch.empty(s, h), torch.randn(s, h)
-    shard = torch.empty(s // n, h)
-
-    def step() -> None:
-        dist.all_gather_single(gathered, x, group=group)
-        dist.reduce_scatter_single(shard, full, group=group)
-        dist.reduce_scatter_single(shard, full, group=group)
-        dist.all_gather_single(gathered, x, group=group)
 
     return step
 

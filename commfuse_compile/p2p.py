@@ -7,7 +7,7 @@ It returns the receive buffer at once; the graph later waits on it with
 Inductor treats it like any other asynchronous collective (and the wait is zero-copy).
 
 Why a custom op rather than ``_c10d_functional.isend/irecv``: in torch 2.13 those leak one
-work-registry entry per call and hang when waited on the send side (REFERENCE §2).
+work-registry entry per call and hang when waited on the send side.
 """
 
 from __future__ import annotations

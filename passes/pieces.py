@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from .attention import SDPA, query_split
@@ -21,7 +23,7 @@ class Pieces:
     def give(self, node: fx.Node, q: int, value: fx.Node) -> None:
         self.values[node, q] = value
 
-    def value(self, emit: Emitter, node: fx.Node, q: int) -> fx.Node:
+    def value(self, emit: Emitter, node: fx.Node, q: int) -> fx.Node | tuple[fx.Node, fx.Node]:
         if (node, q) not in self.values:
             self.values[node, q] = self._emit(emit, node, q)
         return self.values[node, q]
@@ -66,4 +68,6 @@ class Pieces:
             return emit(aten.expand.default if node.target is aten.expand.default else aten.reshape.default, args[0], shape)
         if node.target is SDPA and along == 2:
             return query_split(emit, node, args, kwargs, q, self.region.count)
+        if node.target is operator.getitem and isinstance(args[0], tuple):  # a merged query split's (out, lse)
+            return args[0][args[1]]
         return emit(node.target, *args, **kwargs)

@@ -4,7 +4,7 @@ A ring step computes one piece q of the gathered / scattered dim. :func:`input_a
 an op cut into ``count`` pieces along one axis of its output, along which axis each input must
 be cut (or that it is read whole, where it broadcasts) — or that the op mixes pieces. Row-local
 here: pointwise ops (torch's ``pointwise`` tag) with broadcasting, reshapes that keep a piece a
-block, permutes, unsqueeze, expand, reductions over other dims, ``mm`` / ``addmm`` by rows (the
+block, permutes, squeeze, unsqueeze, expand, reductions over other dims, ``mm`` / ``addmm`` by rows (the
 right operand read whole: a replicated weight) or by columns (the left read whole, the right
 cut: one head group's projection), and attention (:mod:`.attention`).
 """
@@ -23,7 +23,8 @@ from .graph_utils import ADDMM, MM, RESHAPES, aten, divides, fake, same_size
 
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 
-VIEWS = {*RESHAPES, aten.permute.default, aten.unsqueeze.default, aten.expand.default, operator.getitem}
+SQUEEZES = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
+VIEWS = {*RESHAPES, *SQUEEZES, aten.permute.default, aten.unsqueeze.default, aten.expand.default, operator.getitem}
 
 def input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None] | None:
     """For ``node`` cut into ``count`` pieces along ``axis``: the axis each tensor input is cut
@@ -58,6 +59,8 @@ def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | Non
     if target is aten.unsqueeze.default:
         inserted = node.args[1] % out.dim()
         return None if axis == inserted else _single(inputs[0], axis - (axis > inserted))
+    if target in SQUEEZES:
+        return _single(inputs[0], _squeezed_input_axis(node, axis))
     if target is aten.expand.default:  # (its size 1 dims broadcast: read whole along them)
         return _broadcast_axes(out.shape, inputs, axis)
     if target in REDUCTIONS:
@@ -94,6 +97,14 @@ def reshape_axis(shape: list[int], axis: int, other: list[int], count: int) -> i
         if not statically_known_true(prod(other[:j]) <= leading):
             break
     return None
+
+def _squeezed_input_axis(node: fx.Node, axis: int) -> int:
+    """The input axis that output ``axis`` of a squeeze is (the size-1 dims it drops are gone)."""
+    shape = fake(node.args[0]).shape
+    named = node.args[1] if len(node.args) > 1 else range(len(shape))
+    named = {d % len(shape) for d in ([named] if isinstance(named, int) else named)}
+    kept = [d for d in range(len(shape)) if not (d in named and same_size(shape[d], 1))]
+    return kept[axis]
 
 def _reduced_input_axis(node: fx.Node, axis: int) -> int | None:
     x, dims = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")

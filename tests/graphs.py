@@ -119,3 +119,23 @@ def flash_rs_order(graph: fx.Graph, site) -> list[int]:
     """The chunk computed at each step of ``site``'s Flash-RS ring, read from the row slices
     its matmuls take."""
     return sliced_chunk_order(graph, {node.name for step in site.steps for node in step.compute})
+
+
+def attention_calls(nodes) -> list[tuple[int, int, int, bool]]:
+    """For each attention node: (query rows, first key, end of keys, causal), the keys read off
+    the slice it is given (or all of them), sorted; a mask is an error here (none is expected)."""
+    calls = []
+    for node in nodes:
+        assert node.kwargs.get("attn_mask") is None, f"{node.name} has a mask"
+        key, causal = node.args[1], node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+        begin, end = (key.args[2], key.args[3]) if key.target is torch.ops.aten.slice.Tensor else (0, key.meta["val"].shape[2])
+        calls.append((node.args[0].meta["val"].shape[2], begin, end, bool(causal)))
+    return sorted(calls)
+
+
+def query_split_calls(length: int, pieces) -> list[tuple[int, int, int, bool]]:
+    """The calls query-split causal attention makes for query pieces ``pieces`` of ``length``
+    rows: the diagonal block causal, and (but for the first piece) the keys before it in full."""
+    calls = [(length, q * length, (q + 1) * length, True) for q in pieces]
+    return sorted(calls + [(length, 0, q * length, False) for q in pieces if q])
+

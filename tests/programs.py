@@ -209,23 +209,27 @@ def expert_parallel(x, w1, w2):
 
 
 def ulysses(x, w1, w2):
-    """Ulysses sequence parallelism, one head per rank: this rank's rows of the sequence [S/N, H],
-    replicated q / k / v weights, an all-to-all each from sequence- to head-sharded (head j's
-    columns to rank j), causal attention of this rank's head over the whole sequence, an
-    all-to-all back (head j's output for this rank's rows from rank j) and the (per-rank)
-    projections W1, W2."""
+    """Ulysses sequence parallelism, two heads per rank: this rank's rows of the sequence
+    [S/N, H], replicated q / k / v weights, an all-to-all each from sequence- to head-sharded
+    (head group j's columns to rank j), laid out [1, heads, S, d] for causal attention over the
+    whole sequence, transposed back and squeezed to rows of S, an all-to-all back (head group j's
+    output for this rank's rows from rank j) and the (per-rank) projections W1, W2."""
     n, (rows, hidden) = dist.get_world_size(), x.shape
-    d = hidden // n
+    heads, d = ULYSSES_HEADS_PER_RANK, hidden // (n * ULYSSES_HEADS_PER_RANK)
     mix = torch.linspace(-1.0, 1.0, hidden * hidden, dtype=x.dtype).view(hidden, hidden) / hidden**0.5  # replicated
 
-    def to_heads(w):  # [S/N, H] -> [n heads, S/N, d] -> this rank's head over the sequence [1, 1, S, d]
-        heads = (x @ w).view(rows, n, d).permute(1, 0, 2).contiguous()
-        return funcol.all_to_all_single_autograd(heads.view(-1, d), None, None, _group()).view(1, 1, n * rows, d)
+    def to_heads(w):  # [S/N, H] -> [n groups, S/N, heads·d] -> this rank's group over the sequence [1, heads, S, d]
+        groups = (x @ w).view(rows, n, heads * d).permute(1, 0, 2).contiguous()
+        got = funcol.all_to_all_single_autograd(groups.view(-1, heads * d), None, None, _group())
+        return got.view(1, n * rows, heads, d).transpose(1, 2)
 
     q, k, v = to_heads(mix), to_heads(mix.flip(0)), to_heads(0.5 * mix)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).view(n * rows, d)  # rows of S
-    back = funcol.all_to_all_single_autograd(o, None, None, _group()).view(n, rows, d)  # [heads, S/N, d]
-    return F.silu(back.permute(1, 0, 2).reshape(rows, hidden) @ w1) @ w2
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).squeeze(0)  # [S, heads, d]
+    back = funcol.all_to_all_single_autograd(o.reshape(n * rows, heads * d), None, None, _group())
+    return F.silu(back.view(n, rows, heads * d).permute(1, 0, 2).reshape(rows, hidden) @ w1) @ w2
+
+
+ULYSSES_HEADS_PER_RANK = 2
 
 
 FP8 = torch.float8_e4m3fn

@@ -17,6 +17,7 @@ sys.path.insert(0, BENCHMARKS)  # the benchmarks are scripts; spawned ranks inhe
 
 import compile_time  # noqa: E402
 import peak_memory  # noqa: E402
+import step_models  # noqa: E402
 import step_time  # noqa: E402
 
 
@@ -48,6 +49,16 @@ def test_step_time_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_step_time_ulysses_smoke(tmp_path):
+    # The Ulysses layer: its four all-to-alls rewritten forward and backward under the ring.
+    results = _run(step_time.main, ["--model", "ulysses", "--quick", "--no-shape", "--rounds", "1", "--variants", "inductor,ring"], tmp_path / "ulysses.json")
+    assert results["model"] == "ulysses" and set(results["variants"]) == {"inductor", "ring"}
+    sites = results["variants"]["ring"]["sites"]
+    assert [(s["graph"], s["pattern"], s["action"]) for s in sites] == [(g, "all_to_all", "rewritten") for g in ("forward", "backward") for _ in range(4)]
+    assert results["parts"]["comm_ms"] > 0 and results["parts"]["compute_ms"] > 0
+
+
+@pytest.mark.slow
 def test_compile_time_smoke(tmp_path):
     # One block, commfuse only: the Inductor baseline is the same measurement without options.
     results = _run(compile_time.main, ["--quick", "--backends", "commfuse"], tmp_path / "compile.json")
@@ -76,10 +87,25 @@ def test_peak_memory_smoke(tmp_path):
 
 
 def test_step_time_sizes_meet_the_ratio():
-    sizes = step_time.plan_sizes(2, 50e6, 80e9, compute_ms=400, comm_ratio=0.5)
+    sizes = step_models.WORKLOADS["mlp"].plan_sizes(2, 50e6, 80e9, compute_ms=400, comm_ratio=0.5)
     assert sizes["estimated_comm_ms"] / sizes["estimated_compute_ms"] == pytest.approx(0.5, rel=0.1)
     assert sizes["estimated_compute_ms"] == pytest.approx(400, rel=0.2)
     assert sizes["S"] % (2 * 32) == 0 and sizes["F"] % (2 * 16) == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_sizes_meet_the_targets(world):
+    # At its default link (1gbit) the layer meets the compute target with whole heads of 32k columns.
+    sizes = step_models.WORKLOADS["ulysses"].plan_sizes(world, step_time.rate_bytes_per_second("1gbit"), 140e9, compute_ms=400, comm_ratio=0.5)
+    assert sizes["estimated_compute_ms"] == pytest.approx(400, rel=0.1)
+    assert 0.25 < sizes["estimated_comm_ms"] / sizes["estimated_compute_ms"] < 1.0
+    heads = world * step_models.ULYSSES_HEADS_PER_RANK
+    assert sizes["H"] % (32 * heads) == 0 and sizes["S"] % (32 * world) == 0
+
+
+def test_step_time_rejects_a_schedule_the_model_cannot_use():
+    with pytest.raises(SystemExit):
+        step_time.parse_args(["--model", "ulysses", "--variants", "inductor,slicing"])
 
 
 def test_step_time_rate_parsing():

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
-from graphs import flash_ag_order, flash_rs_order, post_grad_graphs, rewrite_as, ring_exchanges, sliced_chunk_order
+from graphs import attention_calls, flash_ag_order, flash_rs_order, post_grad_graphs, query_split_calls, rewrite_as, ring_exchanges, sliced_chunk_order
 
 import commfuse_compile
 
@@ -440,5 +440,9 @@ def test_ulysses_steps_compute_projections_and_query_split_attention(world):
             sent = [upstream(step.start.args[0], torch.ops.aten.mm.default) for step in site.steps]
             assert all(len(mms) == 1 for mms in sent) and len(set().union(*sent)) == WORLD - 1, site.notes
             assert all(mm.args[1].meta["val"].shape[1] == 16 // WORLD for mms in sent for mm in mms)  # one head's columns
-        sent = [upstream(step.start.args[0], sdpa) for step in sites[3].steps]
-        assert all(len(s) == 1 for s in sent) and len(set().union(*sent)) == WORLD - 1, sites[3].notes
+        # the attention of the query block each step sends (block r + k): its diagonal causal,
+        # the keys before it in full; the own block's, computed last, is sent by no step
+        length = 8  # (the sequence is WORLD blocks of the per-rank 8 rows)
+        for k, step in enumerate(sites[3].steps, start=1):
+            sent = upstream(step.start.args[0], sdpa)
+            assert attention_calls(sent) == query_split_calls(length, [(r + k) % WORLD]), sites[3].notes
