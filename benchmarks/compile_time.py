@@ -8,8 +8,10 @@ their mirrors in backward), compiled forward + backward with ``backend="commfuse
 seconds (the first forward call plus the first backward, each of which compiles its graph; the
 toy sizes make running them negligible), the seconds spent in the commfuse pass (the sum of
 ``pass_seconds`` over the commfuse reports of that compile; the backward graph's pass time is
-added to the same report when backward compiles), their ratio, and the number of sites
-rewritten.
+added to the same report when backward compiles), their ratio, the number of sites
+rewritten, and the kernels generated: every C++ (or Triton) kernel the generated code defines,
+forward and backward, and how many distinct sources they have (what the compiler compiles;
+counted by wrapping Inductor's ``AsyncCompile`` in the measuring process).
 
 How. A single process per (backend, stack) measurement, under a fake process group
 (``dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)``): it traces and
@@ -43,6 +45,10 @@ from _common import format_table, machine_info, progress, run_process, write_jso
 
 from commfuse_compile.models import Block, tp_plan
 
+# What each --backends name compiles with: commfuse-outline is commfuse with each ring step one
+# call of a body compiled once per shape (outline=True); commfuse's steps are inline.
+BACKENDS = {"inductor": None, "commfuse": {}, "commfuse-outline": {"outline": True}}
+
 # Small dims: compile time hardly depends on them, and they divide by every world size ≤ 8.
 DIM, HEADS, FFN, BATCH, SEQ_PER_RANK = 64, 8, 128, 2, 4
 
@@ -57,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for backend in args.backends:
                 progress(f"compiling {blocks} block(s) with backend={backend!r} in a fresh process")
                 row[backend] = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick)
-                progress(f"  {backend}: {row[backend]['total_s']:.1f} s" + _pass_note(row[backend]))
+                progress(f"  {backend}: {row[backend]['total_s']:.1f} s, {row[backend]['unique_kernels']} unique kernels" + _pass_note(row[backend]))
             rows.append(row)
     except RuntimeError as err:
         print(f"compile_time failed: {err}", file=sys.stderr)
@@ -81,15 +87,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", default=None, help="comma-separated stack sizes (default 1,2,4,8; 1 with --quick)")
     parser.add_argument("--world-size", type=int, default=4, help="size of the fake process group (default 4)")
     parser.add_argument("--schedule", default="ring", help="commfuse schedule option (default ring)")
-    parser.add_argument("--backends", default="inductor,commfuse", help="comma-separated subset of inductor,commfuse (default both)")
+    parser.add_argument("--backends", default="inductor,commfuse", help=f"comma-separated subset of {','.join(BACKENDS)} (default inductor,commfuse)")
     parser.add_argument("--quick", action="store_true", help="one block, no compiler warm-up: a smoke test")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
     text = args.blocks or ("1" if args.quick else "1,2,4,8")
     args.blocks = [int(b) for b in text.split(",") if b.strip()]
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not args.backends or set(args.backends) - {"inductor", "commfuse"}:
-        parser.error("--backends must name inductor and/or commfuse")
+    if not args.backends or set(args.backends) - set(BACKENDS):
+        parser.error(f"--backends must name some of {', '.join(BACKENDS)}")
     if any(b < 1 for b in args.blocks):
         parser.error("--blocks must be positive")
     n = args.world_size
@@ -105,29 +111,35 @@ def _pass_note(measured: dict[str, Any]) -> str:
 
 
 def render(results: dict[str, Any]) -> str:
-    """The results table as printed on stdout."""
+    """The results table as printed on stdout: one line per stack and backend, each commfuse
+    variant beside Inductor alone measured in the same run."""
     rows = []
     for row in results["results"]:
-        ind, cf = row.get("inductor"), row.get("commfuse")
-        rows.append(
-            [
-                row["blocks"],
-                ind and ind["total_s"],
-                cf and cf["total_s"],
-                cf and cf["forward_s"],
-                cf and cf["backward_s"],
-                cf and cf["pass_s"],
-                cf and f"{100 * cf['pass_fraction']:.1f}%",
-                f"{cf['total_s'] / ind['total_s']:.2f}" if cf and ind else None,
-                cf and f"{cf['rewritten']}/{cf['sites']}",
-            ]
-        )
+        ind = row.get("inductor")
+        for backend in (b for b in BACKENDS if b in row):
+            m = row[backend]
+            vs = ind and backend != "inductor"
+            rows.append(
+                [
+                    row["blocks"],
+                    backend,
+                    m["total_s"],
+                    f"{m['total_s'] / ind['total_s']:.2f}" if vs else None,
+                    m["forward_s"],
+                    m["backward_s"],
+                    m.get("pass_s"),
+                    f"{100 * m['pass_fraction']:.1f}%" if "pass_fraction" in m else None,
+                    f"{m['rewritten']}/{m['sites']}" if "rewritten" in m else None,
+                    f"{m['kernels']} ({m['unique_kernels']})",
+                    f"{m['unique_kernels'] / ind['unique_kernels']:.2f}" if vs else None,
+                ]
+            )
     head = (
         f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks, fake process group of {results['world_size']}, "
         f"commfuse schedule={results['schedule']!r}"
     )
-    headers = ["blocks", "inductor", "commfuse", "cf fw", "cf bw", "cf pass", "pass/total", "cf/inductor", "rewritten"]
-    return "\n".join([head, format_table(headers, rows)])
+    headers = ["blocks", "backend", "total s", "vs inductor", "fw s", "bw s", "pass s", "pass/total", "rewritten", "kernels (unique)", "unique vs inductor"]
+    return "\n".join([head, format_table(headers, rows, left=(1,))])
 
 
 def measure_in_fresh_process(backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True) -> dict[str, Any]:
@@ -160,9 +172,11 @@ def measure_compile(backend: str, blocks: int, world_size: int, schedule: str, w
         if warm_up:
             _warm_up_compiler()
         timed_pass = _time_the_pass()
+        kernels = _count_kernels()
         model = build_stack(blocks, world_size)
-        options = {"options": {"schedule": schedule}} if backend == "commfuse" else {}
-        compiled = torch.compile(model, backend=backend, **options)
+        extra = BACKENDS[backend]
+        options = {} if extra is None else {"options": {"schedule": schedule, **extra}}
+        compiled = torch.compile(model, backend="inductor" if extra is None else "commfuse", **options)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen, requires_grad=True)  # [B, S/N, H]
         grad = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen)
@@ -173,7 +187,8 @@ def measure_compile(backend: str, blocks: int, world_size: int, schedule: str, w
         (out * grad).sum().backward()
         end = time.perf_counter()
         measured: dict[str, Any] = {"total_s": end - start, "forward_s": middle - start, "backward_s": end - middle}
-        if backend == "commfuse":
+        measured.update(kernels=len(kernels), unique_kernels=len(set(kernels)))
+        if extra is not None:
             measured.update(_pass_summary(commfuse_compile.reports(), measured["total_s"], timed_pass))
         return measured
     finally:
@@ -186,6 +201,25 @@ def _warm_up_compiler() -> None:
     importlib.import_module("commfuse_compile.passes")  # the pass imports it on first use
 
     torch.compile(lambda t: (t * 2).sin(), backend="inductor")(torch.randn(8))
+
+
+def _count_kernels() -> list[str]:
+    """Wrap Inductor's kernel compiles in this process: the returned list gets each kernel's
+    source as the generated code defines it (a source defined twice is compiled once)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    sources: list[str] = []
+
+    def counted(original: Any, source_at: int) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            sources.append(args[source_at])
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    AsyncCompile.cpp_pybinding = counted(AsyncCompile.cpp_pybinding, 1)  # (argtypes, source)
+    AsyncCompile.triton = counted(AsyncCompile.triton, 1)  # (name, source, ...)
+    return sources
 
 
 def _time_the_pass() -> list[float]:

@@ -15,7 +15,9 @@ Variants, all compiled in the same run on the same ranks: ``inductor`` (Inductor
 compile's Inductor options, so Dynamo does not reuse plain Inductor's code, and patched with
 ``torch._inductor.config.patch`` around every call, which covers the lazy backward compile), and
 ``backend="commfuse"`` with ``schedule`` = ``slicing``, ``ring``, ``bidirectional`` and ``auto``
-(for ``ulysses`` only ``ring`` and ``auto``: an all-to-all has the ring schedule alone). What
+(for ``ulysses`` only ``ring`` and ``auto``: an all-to-all has the ring schedule alone), and
+``ring-outline``: the ring's plan with ``outline=True`` (each step's compute one call of a body
+compiled once per shape rather than inline), the same plan as ``ring``. What
 ``auto`` decided is read from ``commfuse_compile.reports()`` and printed; under the ``cpu-gloo``
 profile it may leave everything alone. Two parts are timed alongside them: ``compute-only``
 (the same compute without collectives, Inductor) and ``comm-only`` (the step's collectives,
@@ -81,8 +83,8 @@ from _common import (
 )
 from step_models import WORKLOADS
 
-VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "bidirectional", "auto")
-COMMFUSE_SCHEDULES = ("slicing", "ring", "bidirectional", "auto")
+VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "ring-outline", "bidirectional", "auto")
+COMMFUSE_SCHEDULES = ("slicing", "ring", "ring-outline", "bidirectional", "auto")
 
 # Set in the re-executed child that runs inside the private network namespace.
 NETNS_ENV = "COMMFUSE_BENCH_NETNS"
@@ -392,7 +394,8 @@ def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.T
         # And patched around every call: backward compiles lazily, during the first .backward().
         context = functools.partial(inductor_config.patch, flag)
     else:
-        options: dict[str, Any] = {"schedule": name}
+        # ring-outline: the ring's plan with each step one call of a shared compiled body
+        options: dict[str, Any] = {"schedule": "ring", "outline": True} if name == "ring-outline" else {"schedule": name}
         if chunks is not None and name != "auto":
             options["chunks_per_rank"] = chunks
         compiled = torch.compile(model, backend="commfuse", options=options)

@@ -2,7 +2,7 @@
 
 One stage per module, one data type (:class:`~commfuse_compile.passes.site.Site`) between them:
 
-    match → plan → rewrite → order → check → report
+    match → plan → rewrite → outline → order → check → report
 
 and one module per pattern (:data:`PATTERNS`), which the stages call through the interface of
 :class:`~commfuse_compile.passes.pattern.Pattern`: what it matches, the workload the cost model
@@ -28,6 +28,7 @@ from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
 from .graph_utils import GraphSnapshot, dataflow
 from .matmul_reduce_scatter import MatmulReduceScatter
+from .outline import outline_steps
 from .order import pin_ring_order
 from .pattern import Pattern
 from .plan import one_ring_per_matmul, plan_site
@@ -125,10 +126,13 @@ def run_pipeline(
                 before = set(graph.nodes)
                 rewrite_site(graph, site, PATTERNS[site.pattern], rank_of(site.group_name), tags, fuse)
                 emitted = [n for n in graph.nodes if n not in before]
-                site.region = [n.name for n in emitted]
+                site.region, site.emitted = [n.name for n in emitted], emitted
                 fuse.reserved.update(emitted)  # a later site's fusion must not recompute this ring
         stable_topological_sort(graph)
         remove_replaced(graph, sites)
+        if options.outline:
+            outline_steps(graph, sites)
+            stable_topological_sort(graph)
         checks = insert_plan_checks(graph, sites, plans, options, kind)
         if options.pin_order:
             pin_ring_order(graph, sites, checks)

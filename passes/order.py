@@ -58,7 +58,7 @@ def _ring_deps(sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, Orde
         for step in site.steps:
             if step.start is None:
                 continue
-            for compute in step.compute:
+            for compute in step.compute if step.outlined is None else ():  # (outlined: the start is an input)
                 deps.setdefault(compute, OrderedSet()).add(step.start)
             deps.setdefault(step.wait, OrderedSet()).update(step.compute)
     if any(site.steps for site in sites):

@@ -77,6 +77,7 @@ class RingStep:
     compute: list[fx.Node]  # the chunk matmul(s)
     start: fx.Node | None = None  # ring_exchange overlapping this step's compute, if any
     wait: fx.Node | None = None  # wait_tensor of that exchange, pinned after ``compute``
+    outlined: fx.Node | None = None  # the invoke_subgraph computing it (outline.py), if any
 
 
 @dataclasses.dataclass
@@ -116,6 +117,7 @@ class Site:
     rank: int | None = None  # this rank's index in the group, set by rewrite
     fused: list[fx.Node] = dataclasses.field(default_factory=list)  # original ops now computed inside the steps
     region: list[str] = dataclasses.field(default_factory=list)  # names of the nodes the rewrite emitted
+    emitted: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)  # those nodes
     modeled: tuple = ()  # cost_model.Estimate of vanilla and of the chosen (or best) schedule
     steps: list[RingStep] = dataclasses.field(default_factory=list)
 

@@ -46,11 +46,13 @@ def post_grad_graphs(fn, *inputs: torch.Tensor, backward: bool = True) -> dict[s
 
 
 def rewrite_as(graph: fx.Graph, rank: int, kind: str, **options):
-    """Run the pipeline on a copy of ``graph`` as ``rank`` would (ring schedule unless
-    ``options`` say otherwise); returns the rewritten graph, its sites and the report."""
+    """Run the pipeline on a copy of ``graph`` as ``rank`` would (ring schedule, steps inline
+    rather than outlined, so that their nodes can be read, unless ``options`` say otherwise);
+    returns the rewritten graph, its sites and the report."""
     graph = copy_graph(graph)
     report = new_report({})
-    sites = run_pipeline(graph, CommfuseOptions(**{"schedule": "ring", **options}), kind, report, rank_of=lambda _: rank)
+    options = {"schedule": "ring", "outline": False, **options}
+    sites = run_pipeline(graph, CommfuseOptions(**options), kind, report, rank_of=lambda _: rank)
     return graph, sites, report
 
 

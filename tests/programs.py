@@ -376,6 +376,7 @@ def check_against_eager(program: str, dtype_name: str, options: dict | None = No
         records=[
             dict(schedule=s.schedule, chunks_per_rank=s.chunks_per_rank, fused=s.fused) for s in commfuse_compile.last_report().sites
         ],
+        notes=[note for s in commfuse_compile.last_report().sites for note in s.notes],
     )
 
 

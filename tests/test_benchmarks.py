@@ -70,6 +70,7 @@ def test_compile_time_smoke(tmp_path):
     assert {"total_s", "forward_s", "backward_s", "pass_s", "pass_fraction", "rewritten", "sites"} <= set(measured)
     assert 0 < measured["pass_s"] < measured["total_s"]
     assert measured["rewritten"] > 0
+    assert 0 < measured["unique_kernels"] <= measured["kernels"]
 
 
 @pytest.mark.slow

@@ -198,6 +198,19 @@ SCHEDULE_CASES = [
 ]
 
 
+OUTLINED_CASES = [("canonical", "fp32"), ("row_local", "bf16"), ("plain_tp", "fp32"), ("ulysses", "fp32")]
+
+
+@pytest.mark.parametrize("program,dtype", OUTLINED_CASES)
+def test_outlined_matches_eager(ranks, program, dtype):
+    """outline=True: each step one call of a shared compiled body; the same sites, exact."""
+    for rank, result in enumerate(ranks.run(check_against_eager, program, dtype, {"outline": True})):
+        assert [s[:3] for s in result["sites"]] == EXPECTED_SITES[program], result["sites"]
+        for row in result["diffs"] + result["repeat_diffs"]:
+            assert row["close"], f"rank {rank} {row} exceeds {TOLERANCES[DTYPES[dtype]]}"
+        assert any("steps outlined" in note for note in result["notes"]), result["notes"]
+
+
 @pytest.mark.parametrize("program,dtype,schedule,m,fusion", SCHEDULE_CASES, ids=lambda v: str(v))
 def test_schedule_matches_eager(ranks, program, dtype, schedule, m, fusion):
     options = {"schedule": schedule, "chunks_per_rank": m, "fusion": fusion}
