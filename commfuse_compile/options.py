@@ -52,7 +52,7 @@ class CommfuseOptions:
         outline: compute each ring step as one call of a body Inductor compiles once per
             shape (``invoke_subgraph``), shared by every step of that shape in the graph, so
             the kernels a rewritten graph generates do not grow with the group size: about
-            half the kernels, 0.6x the compile time. Off by default: it costs compute time
+            half the distinct kernels, 0.6-0.75x the compile time. Off by default: it costs compute time
             (a sequence-parallel MLP step's compute 24% slower here). Off: steps inline, each with its own
             kernels (their piece offsets baked in).
         strict: if the pass raises on a graph, re-raise instead of warning and compiling that

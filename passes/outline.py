@@ -21,8 +21,10 @@ After::
     y = out[0];  ...;  wait(start)                                   # (wait pinned after y)
 
 What goes in a body: the step's compute nodes and what they are computed from, among the nodes
-this ring emitted that no earlier step claimed, but for views of values from outside (a slice
-of an input stays outside: the body then reads a whole input). The step's transfer is passed as
+this ring emitted, but for what two steps share (a weight's transpose, computed once) and the
+cuts (slices) that carry a piece's offset, with what they cut from: the piece is an input.
+Where Inductor would have to copy each such piece out of a view (a slice of a reshape of a
+transpose), the whole source is copied once, contiguously, instead. The step's transfer is passed as
 one more input the body does not read, so the body cannot run before the transfer starts (a
 data dependency, where the inline form needs a control dependency). A body is outlined only
 when at least two steps share its kernels; a body with a symbolic size, a non-tensor output
@@ -120,7 +122,7 @@ def outline_steps(graph: fx.Graph, sites: list[Site]) -> int:
     found = [(site, step, nodes, _Body(nodes, step.start).signature) for site, steps in per_site for step, nodes in steps]
     shared = Counter(signature for *_, signature in found if signature is not None)
     attrs: dict[tuple, fx.Node] = {}
-    outlined: Counter[str] = Counter()
+    outlined: Counter[int] = Counter()  # by id(site)
     for site, step, nodes, signature in found:
         if signature is None or shared[signature] < 2:
             continue
