@@ -41,12 +41,13 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import RESHAPES, SCALED_MM, WAIT, Emitter, aten, fake, ring_exchange_op
-from .rowlocal import SQUEEZES
+from .rowlocal import VIEWS as ROW_LOCAL_VIEWS
 from .site import RingStep, Site
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
 CUTS = {aten.slice.Tensor, aten.select.int}  # (a piece of a larger value, at an offset)
-VIEWS = {*RESHAPES, *SQUEEZES, *CUTS, aten.permute.default, aten.unsqueeze.default, aten.expand.default, aten.t.default}
+# Row-local views, and the cuts; getitem is not one here: it picks a value an op computed.
+VIEWS = (ROW_LOCAL_VIEWS - {operator.getitem}) | CUTS | {aten.t.default}
 
 
 class _Body:
