@@ -26,14 +26,14 @@ from .all_reduce import AllReduce
 from .all_to_all import AllToAll
 from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
-from .graph_utils import GraphSnapshot, dataflow
+from .graph_utils import GraphSnapshot, erase_dead, recording
 from .matmul_reduce_scatter import MatmulReduceScatter
 from .outline import outline_steps
 from .order import pin_ring_order
 from .pattern import Pattern
 from .plan import one_ring_per_matmul, plan_site
 from .report import record_sites
-from .rewrite import remove_replaced, rewrite_site
+from .rewrite import remove_replaced, replaced_by, rewrite_site
 from .site import Site
 
 __all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
@@ -61,8 +61,7 @@ def graph_kind(graph: fx.Graph, is_inference: bool) -> str:
 def find_sites(graph: fx.Graph, kind: str) -> list[Site]:
     """Stage 1 — match: a Site for every collective some pattern knows, in graph order
     ("pending" when recognised, "skip" with the reason otherwise). Nothing is mutated."""
-    flow = dataflow(graph)
-    return [_BY_COLLECTIVE[node.target].match(node, kind, flow) for node in graph.nodes if node.target in _BY_COLLECTIVE]
+    return [_BY_COLLECTIVE[node.target].match(node, kind) for node in graph.nodes if node.target in _BY_COLLECTIVE]
 
 
 def _split_all_reduces(graph: fx.Graph, sites: list[Site], options: CommfuseOptions, kind: str) -> tuple[list[Site], list]:
@@ -80,9 +79,8 @@ def _split_all_reduces(graph: fx.Graph, sites: list[Site], options: CommfuseOpti
             splits.append(all_reduce.split(graph, site))
     if not splits:
         return sites, []
-    flow = dataflow(graph)
     scatter, gather = PATTERNS["matmul_reduce_scatter"], PATTERNS["all_gather_matmul"]
-    pairs = [(s, [scatter.match(s.scatter, kind, flow), gather.match(s.gather, kind, flow)]) for s in splits]
+    pairs = [(s, [scatter.match(s.scatter, kind), gather.match(s.gather, kind)]) for s in splits]
     order = {node: i for i, node in enumerate(graph.nodes)}
     split_at = {id(s.site): order[s.scatter] for s in splits}  # (its collective is gone)
     everything = [*sites, *(half for _, halves in pairs for half in halves)]
@@ -123,12 +121,11 @@ def run_pipeline(
         fuse = Fuse(options.fusion, reserved)
         for site in sites:
             if site.decision == "rewrite" and site.pattern != AllReduce.name:  # (its halves are sites)
-                before = set(graph.nodes)
-                rewrite_site(graph, site, PATTERNS[site.pattern], rank_of(site.group_name), tags, fuse)
-                emitted = [n for n in graph.nodes if n not in before]
+                with recording(graph) as emitted:
+                    rewrite_site(graph, site, PATTERNS[site.pattern], rank_of(site.group_name), tags, fuse)
                 site.region, site.emitted = [n.name for n in emitted], emitted
                 fuse.reserved.update(emitted)  # a later site's fusion must not recompute this ring
-        stable_topological_sort(graph)
+                erase_dead(graph, replaced_by(site))  # else they read like outside users to a later region
         remove_replaced(graph, sites)
         if options.outline:
             outline_steps(graph, sites)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import itertools
 from math import prod
 
-import networkx as nx
 import torch.fx as fx
 
 from commfuse_compile.cost_model import Matmul, Workload
@@ -56,7 +55,7 @@ from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_p
 
 from .chunks import assemble, chunk_problem, cut, in_layout, join, matmul_problem, output_axis, piece_product
 from .fusion import Fuse
-from .graph_utils import ADDMM, ALL_GATHER, MATMULS, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
+from .graph_utils import ADDMM, ALL_GATHER, MATMULS, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, depends_on, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
 from .layout import after_permutes, reshape_chains, single_wait, split_cat, transpose_chains
 from .pattern import Pattern
 from .pieces import Pieces
@@ -72,7 +71,7 @@ class AllGatherMatmul(Pattern):
 
     # ---- match ---------------------------------------------------------------------------
 
-    def match(self, ag: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+    def match(self, ag: fx.Node, graph_kind: str) -> Site:
         if ag.target is not ALL_GATHER:
             return coalesced_site(self.name, ag, graph_kind)
         shard, group_size, group_name = ag.args[:3]
@@ -89,14 +88,13 @@ class AllGatherMatmul(Pattern):
         last = site.dim == fake(site.tensor).dim() - 1 and site.dim > 0  # a gather along the last dim
         consumers = list(_matmul_consumers(site.tensor, int(last)))
         if not consumers and not last:
-            consumers = _through_prologue(site, flow)
+            consumers = _through_prologue(site)
         if not consumers:
             if any(u.target is ADDMM and u.args[0] is site.tensor for u in site.tensor.users):
                 return site.skip("the gathered tensor is only added as an addmm bias: no matmul to overlap with")
             return site.skip(f"no matmul reads the gathered tensor (users: {describe_users(site.tensor)})")
-        downstream = nx.descendants(flow, site.wait)
         for consumer in consumers:
-            if consumer.other_operand(site.tensor) in downstream:
+            if depends_on(consumer.other_operand(site.tensor), site.wait):
                 site.notes.append(f"{consumer.mm.name}: its other operand depends on the gathered tensor; left as is")
             else:
                 site.consumers.append(consumer)
@@ -165,13 +163,13 @@ class AllGatherMatmul(Pattern):
             _ring(graph, site, rank, tags, fuse)
 
 
-def _through_prologue(site: Site, flow: nx.DiGraph) -> list[Consumer]:
+def _through_prologue(site: Site) -> list[Consumer]:
     """Matmuls that read the gathered tensor's rows through row-local ops (a residual add, a
     norm): they become the consumers, and those ops the site's prologue."""
     region = prologue_region(site, site.group_size, set())
     if region is None:
         return []
-    consumers = prologue_consumers(site, region, flow, lambda node: _matmul_consumers(node, 0))
+    consumers = prologue_consumers(site, region, lambda node: _matmul_consumers(node, 0))
     if consumers:
         site.prologue = needed(region, consumers).computed
         site.notes.append(f"computed on each piece before the matmuls: {', '.join(n.name for n in site.prologue)}")
@@ -252,7 +250,7 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
     per_chunk = pieces_per_chunk(site.schedule, site.chunks_per_rank)
     count = site.group_size * per_chunk
     emit = _emitter_before_consumers(graph, site)
-    fused = fuse.after_gather(graph, site, count)
+    fused = fuse.after_gather(site, count)
     exchange = ring_exchange_op()
     pieces = _Pieces(site, count, fuse)
     cur = dict(enumerate(_shard_pieces(emit, site, per_chunk)))  # stream -> the piece it holds
@@ -277,7 +275,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     n, d, k, group = site.group_size, site.dim, site.chunks_per_rank, site.group_name
     count = n * k
     emit = _emitter_before_consumers(graph, site)
-    fused = fuse.after_gather(graph, site, count)
+    fused = fuse.after_gather(site, count)
     pieces = _Pieces(site, count, fuse)
     slices = _shard_pieces(emit, site, k)
     gathers = [emit(ALL_GATHER, slices[0], n, group)]
@@ -311,8 +309,7 @@ def _prologue_pieces(site: Site, count: int, fuse: Fuse) -> Pieces | None:
 
 def _emitter_before_consumers(graph: fx.Graph, site: Site) -> Emitter:
     """An emitter placing nodes before the first consumer matmul."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return Emitter(graph, before=min((c.mm for c in site.consumers), key=order.__getitem__))
+    return Emitter(graph, before=min(c.mm for c in site.consumers))  # (nodes compare by position)
 
 
 def _shard_pieces(emit: Emitter, site: Site, parts: int) -> list[fx.Node]:

@@ -32,12 +32,11 @@ from __future__ import annotations
 import dataclasses
 import operator
 
-import networkx as nx
 import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
 
-from .graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, Emitter, aten, c10d, describe_users, fake, shape_of
+from .graph_utils import ALL_GATHER, REDUCE_SCATTER, WAIT, Emitter, aten, c10d, describe_users, fake, recording, shape_of
 from .layout import single_wait
 from .pattern import Pattern
 from .site import Site
@@ -52,7 +51,7 @@ class AllReduce(Pattern):
     collectives = frozenset({ALL_REDUCE})
     splits_into = ("matmul_reduce_scatter", "all_gather_matmul")  # (planned and timed as those)
 
-    def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+    def match(self, node: fx.Node, graph_kind: str) -> Site:
         tensor, reduce_op, group_name = node.args[:3]
         group_size = resolve_process_group(group_name).size()
         site = Site(self.name, graph_kind, node, single_wait(node), group_name, group_size)
@@ -88,8 +87,13 @@ class Split:
 
 def split(graph: fx.Graph, site: Site) -> Split:
     """Replace the all-reduce of ``site`` by a reduce-scatter and an all-gather on its dim."""
+    with recording(graph) as emitted:
+        scatter, gather, output = _split_in_halves(graph, site)
+    return Split(site, scatter, gather, output, emitted)
+
+
+def _split_in_halves(graph: fx.Graph, site: Site) -> tuple[fx.Node, fx.Node, fx.Node]:
     x, n, d, group = site.tensor, site.group_size, site.dim, site.group_name
-    before = set(graph.nodes)
     emit = Emitter(graph, before=site.wait)
     size = fake(x).shape[d] // n
     stacked = x if d == 0 else emit(aten.cat.default, _pieces(emit, x, size, d, n), 0)
@@ -101,7 +105,7 @@ def split(graph: fx.Graph, site: Site) -> Split:
     site.wait.replace_all_uses_with(output)
     graph.erase_node(site.wait)
     graph.erase_node(site.collective)
-    return Split(site, scatter, gather, output, [node for node in graph.nodes if node not in before])
+    return scatter, gather, output
 
 
 def restore(graph: fx.Graph, undo: Split) -> None:

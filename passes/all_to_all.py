@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import itertools
 
-import networkx as nx
 import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
@@ -61,7 +60,7 @@ class AllToAll(Pattern):
     option = "flash_a2a"
     collectives = frozenset({ALL_TO_ALL})
 
-    def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+    def match(self, node: fx.Node, graph_kind: str) -> Site:
         x, out_splits, in_splits, group_name = node.args[:4]
         n = resolve_process_group(group_name).size()
         site = Site(self.name, graph_kind, node, single_wait(node), group_name, n)
@@ -161,7 +160,7 @@ def regions(site: Site, count: int, reserved: set[fx.Node]) -> tuple[Region | No
     """The row-local ops producing the all-to-all's input and reading its result, block by block."""
     x = site.collective.args[0]
     before = backward_region({x: 0}, count, reserved, [], site.notes)
-    after = forward_region(site.wait.graph, site, {site.wait: 0}, count, reserved)
+    after = forward_region(site, {site.wait: 0}, count, reserved)
     return before, after
 
 

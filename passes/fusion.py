@@ -35,8 +35,6 @@ import dataclasses
 
 import torch.fx as fx
 
-from commfuse_compile._compat import stable_topological_sort
-
 from .attention import SDPA
 from .chunks import join, rows_of_pieces
 from .graph_utils import ADDMM, RESHAPES, SCALED_MM, Emitter, aten, fake, left_operand, right_operand, same_shape
@@ -62,7 +60,7 @@ class GatherFusion:
         self.pieces = _record(site, region)
 
     @classmethod
-    def build(cls, graph: fx.Graph, site: Site, count: int, reserved: set[fx.Node], enabled: bool) -> GatherFusion:
+    def build(cls, site: Site, count: int, reserved: set[fx.Node], enabled: bool) -> GatherFusion:
         leading = list(fake(site.tensor).shape[:-1])
         seeds: list[list[fx.Node]] = []
         for consumer in site.consumers:
@@ -74,7 +72,7 @@ class GatherFusion:
                 shape = [*leading, fake(consumer.mm).shape[1]]
                 seeds.append([u for u in consumer.mm.users if u.target in RESHAPES and same_shape(fake(u).shape, shape)])
         given = {node: site.dim for nodes in seeds for node in nodes}
-        region = forward_region(graph, site, given, count, reserved) if enabled and given else None
+        region = forward_region(site, given, count, reserved) if enabled and given else None
         return cls(site, count, region, seeds)
 
     def step(self, emit: Emitter, q: int, outputs: list[fx.Node | None]) -> list[fx.Node]:
@@ -142,15 +140,8 @@ class Fuse:
     enabled: bool
     reserved: set[fx.Node]
 
-    def after_gather(self, graph: fx.Graph, site: Site, count: int) -> GatherFusion:
-        self._drop_replaced(graph)
-        return GatherFusion.build(graph, site, count, self.reserved, self.enabled)
+    def after_gather(self, site: Site, count: int) -> GatherFusion:
+        return GatherFusion.build(site, count, self.reserved, self.enabled)
 
-    def before_scatter(self, graph: fx.Graph, site: Site, count: int) -> ScatterFusion:
-        self._drop_replaced(graph)
+    def before_scatter(self, site: Site, count: int) -> ScatterFusion:
         return ScatterFusion.build(site, count, self.reserved, self.enabled)
-
-    def _drop_replaced(self, graph: fx.Graph) -> None:
-        if self.enabled:  # what earlier rewrites replaced would read like an outside user
-            stable_topological_sort(graph)  # (new nodes are placed before their first reader)
-            graph.eliminate_dead_code()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import networkx as nx
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -100,14 +100,6 @@ class SymbolicArgument(NotImplementedError):
     (the caller restores it) rather than bake one example value into the code."""
 
 
-def dataflow(graph: fx.Graph) -> nx.DiGraph:
-    """The graph's data dependencies as a networkx DiGraph (edge: producer -> user)."""
-    g = nx.DiGraph()
-    g.add_nodes_from(graph.nodes)
-    g.add_edges_from((node, user) for node in graph.nodes for user in node.users)
-    return g
-
-
 def describe_users(node: fx.Node) -> str:
     return ", ".join(f"{u.name} ({target_name(u)})" for u in node.users) or "none"
 
@@ -120,12 +112,18 @@ def target_name(node: fx.Node) -> str:
 
 
 class Emitter:
-    """Creates nodes, each with its ``meta["val"]``, before a given node."""
+    """Creates nodes, each with its ``meta["val"]``, before a given node.
+
+    The graph stays topologically sorted: an input that comes after the insertion point (a
+    weight's transpose placed before the second consumer, say) is moved up in front of the new
+    node, its own late inputs first. So later stages can walk the graph in order without
+    sorting it again after every rewrite.
+    """
 
     def __init__(self, graph: fx.Graph, before: fx.Node):
         self.graph = graph
         self.before = before
-        self.fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if "val" in n.meta])
+        self.fake_mode = detect_fake_mode([_first_fake_tensor(graph)])
 
     def __call__(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> fx.Node:
         if target in RESHAPES and any(not isinstance(s, int) for s in args[1]):
@@ -134,8 +132,11 @@ class Emitter:
             raise SymbolicArgument(f"{target}: a symbolic size among the arguments {args}")
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
+        _hoist_inputs(node)
         with self.fake_mode:
             node.meta["val"] = target(*fx.node.map_arg(args, fake), **fx.node.map_arg(kwargs, fake))
+        for recorded in _RECORDERS.get(self.graph, ()):
+            recorded.append(node)
         return node
 
     def _reshape_sizes(self, tensor: fx.Node, sizes: list[Any]) -> list[int]:
@@ -178,6 +179,93 @@ class GraphSnapshot:
                 env[node] = next(placeholders)
             else:
                 env[node] = graph.node_copy(node, env.__getitem__)
+
+
+def _first_fake_tensor(graph: fx.Graph) -> torch.Tensor | None:
+    """Some tensor value of the graph (they all share one fake mode): an input's, found
+    without walking the graph, else the first node's that has one."""
+    for nodes in (graph.find_nodes(op="placeholder"), graph.nodes):
+        if (value := next((n.meta["val"] for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)), None)) is not None:
+            return value
+    return None
+
+
+def _hoist_inputs(node: fx.Node, anchor: fx.Node | None = None) -> None:
+    """Move every input of ``node`` that comes after ``anchor`` (default: ``node`` itself) to
+    just before ``anchor``, their own late inputs first."""
+    anchor = anchor or node
+    for late in node.all_input_nodes:
+        if anchor < late:  # (checked now: hoisting an earlier input may have moved this one)
+            _hoist_inputs(late, anchor)
+            anchor.prepend(late)
+
+
+def depends_on(node: fx.Node, source: fx.Node) -> bool:
+    """Whether ``node`` reads ``source``, directly or through other nodes. In a sorted graph only
+    the nodes between the two can lie on such a path, so only those are visited."""
+    seen, stack = {node}, [node]
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i is source:
+                return True
+            if i not in seen and source < i:
+                seen.add(i)
+                stack.append(i)
+    return False
+
+
+# Lists that every Emitter of a graph appends its new nodes to, while ``recording`` it.
+_RECORDERS: dict[fx.Graph, list[list[fx.Node]]] = {}
+
+
+@contextlib.contextmanager
+def recording(graph: fx.Graph) -> Iterator[list[fx.Node]]:
+    """Collect the nodes emitted into ``graph`` inside the block (those still in it at the end,
+    in graph order): what one rewrite added, without comparing the whole graph before and after.
+
+    On leaving, the graph is sorted again where the block replaced a value by a new node
+    placed after some of its readers (an assembled piece read by the old value's readers):
+    those readers, and what reads them in turn, move to just after it.
+    """
+    created: list[fx.Node] = []
+    _RECORDERS.setdefault(graph, []).append(created)
+    kept: list[fx.Node] = []
+    try:
+        yield kept
+    finally:
+        _RECORDERS[graph].remove(created)
+        if not _RECORDERS[graph]:
+            del _RECORDERS[graph]
+        kept += sorted(n for n in created if not n._erased)
+    for node in kept:
+        _sink_readers(node)
+
+
+def _sink_readers(node: fx.Node) -> None:
+    """Move the nodes placed before ``node`` that read it (directly or not) to just after it,
+    keeping their order."""
+    early, stack = set(), [u for u in node.users if u < node]
+    while stack:
+        reader = stack.pop()
+        if reader not in early:
+            early.add(reader)
+            stack += [u for u in reader.users if u < node]
+    cursor = node
+    for reader in sorted(early):
+        cursor.append(reader)
+        cursor = reader
+
+
+def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Dead-code elimination from ``nodes`` up through their inputs: erase what has no users
+    and no side effects. The cost is that of what is erased, not of the graph."""
+    stack = [n for n in nodes if n is not None]
+    while stack:
+        node = stack.pop()
+        if node._erased or node.users or node.op in ("placeholder", "output") or node.is_impure():
+            continue
+        stack += node.all_input_nodes
+        graph.erase_node(node)
 
 
 def erase_if_unused(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:

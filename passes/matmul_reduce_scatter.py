@@ -41,7 +41,6 @@ from __future__ import annotations
 import itertools
 from math import prod
 
-import networkx as nx
 import torch.fx as fx
 
 from commfuse_compile.cost_model import Matmul, Workload
@@ -63,7 +62,7 @@ class MatmulReduceScatter(Pattern):
 
     # ---- match ---------------------------------------------------------------------------
 
-    def match(self, rs: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+    def match(self, rs: fx.Node, graph_kind: str) -> Site:
         if rs.target is not REDUCE_SCATTER:
             return coalesced_site(self.name, rs, graph_kind)
         scattered, reduce_op, group_size, group_name = rs.args[:4]
@@ -189,7 +188,7 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
     """Flash-RS, one-way or bidirectional, as :func:`flash_rs_steps` lays it out."""
     count = site.group_size * pieces_per_chunk(site.schedule, site.chunks_per_rank)
     emit = Emitter(graph, before=site.wait)
-    fused = fuse.before_scatter(graph, site, count)
+    fused = fuse.before_scatter(site, count)
     exchange = ring_exchange_op()
     acc: dict[int, fx.Node] = {}  # stream -> the accumulator in flight to this rank
     own: dict[int, fx.Node] = {}
@@ -224,7 +223,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     n, k, group = site.group_size, site.chunks_per_rank, site.group_name
     count = n * k
     emit = Emitter(graph, before=site.wait)
-    fused = fuse.before_scatter(graph, site, count)
+    fused = fuse.before_scatter(site, count)
     scatters: list[fx.Node] = []
     results: list[fx.Node] = []
     for s in range(k):

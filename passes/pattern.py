@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, ClassVar
 
-import networkx as nx
 import torch.fx as fx
 
 from .site import Site
@@ -42,7 +41,7 @@ class Pattern:
     option: ClassVar[str]  # the option that turns the pattern off ("flash_ag")
     collectives: ClassVar[frozenset]  # the collective ops whose sites this pattern makes
 
-    def match(self, node: fx.Node, graph_kind: str, flow: nx.DiGraph) -> Site:
+    def match(self, node: fx.Node, graph_kind: str) -> Site:
         raise NotImplementedError
 
     def keep_computable(self, site: Site, tensor: list[int]) -> str | None:

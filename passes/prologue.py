@@ -17,11 +17,10 @@ back together once, from the pieces, after the ring.
 
 from __future__ import annotations
 
-import networkx as nx
 import torch.fx as fx
 
 from .attention import SDPA
-from .graph_utils import MATMULS, fake, same_shape
+from .graph_utils import MATMULS, depends_on, fake, same_shape
 from .regions import Region, forward_region
 from .rowlocal import VIEWS
 from .site import Consumer, Site
@@ -32,16 +31,14 @@ _STOP = frozenset({*MATMULS, SDPA})
 def prologue_region(site: Site, count: int, reserved: set[fx.Node]) -> Region | None:
     """The row-local ops computed from the site's gathered tensor along its dim, ``count``
     pieces, up to (not into) the matmuls and attention that read them."""
-    graph = site.tensor.graph
-    return forward_region(graph, site, {site.tensor: site.dim}, count, reserved, stop_at=_STOP, trim=False)
+    return forward_region(site, {site.tensor: site.dim}, count, reserved, stop_at=_STOP, trim=False)
 
 
-def prologue_consumers(site: Site, region: Region, flow: nx.DiGraph, matmul_consumers) -> list[Consumer]:
+def prologue_consumers(site: Site, region: Region, matmul_consumers) -> list[Consumer]:
     """The matmuls reading, as their left operand's rows, a prologue value with the gathered
     tensor's leading dims (so its pieces are the gathered tensor's rows), whose other operand
     does not depend on the ring; ``matmul_consumers(node)`` lists a node's matmul readers."""
     leading = list(fake(site.tensor).shape[:-1])
-    downstream = nx.descendants(flow, site.wait)
     found: dict[fx.Node, Consumer] = {}
     for node, axis in region.axis.items():
         if node in region.given or node.target in VIEWS or axis != site.dim:
@@ -49,7 +46,7 @@ def prologue_consumers(site: Site, region: Region, flow: nx.DiGraph, matmul_cons
         if not same_shape(list(fake(node).shape[:-1]), leading):
             continue
         for consumer in matmul_consumers(node):
-            if consumer.role == "rows" and consumer.mm not in found and consumer.other_operand(node) not in downstream:
+            if consumer.role == "rows" and consumer.mm not in found and not depends_on(consumer.other_operand(node), site.wait):
                 consumer.source = node
                 found[consumer.mm] = consumer
     return list(found.values())

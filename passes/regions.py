@@ -10,6 +10,7 @@ the ring itself.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import operator
 from collections.abc import Iterable
 
@@ -41,25 +42,31 @@ class Region:
         return ", ".join(n.name for n in self.computed)
 
 def forward_region(
-    graph: fx.Graph, site: Site, given: dict[fx.Node, int], count: int, reserved: set[fx.Node], stop_at: frozenset = frozenset(), trim: bool = True
+    site: Site, given: dict[fx.Node, int], count: int, reserved: set[fx.Node], stop_at: frozenset = frozenset(), trim: bool = True
 ) -> Region | None:
     """The row-local ops after a Flash-AG site's matmuls (``given``: their outputs, with the
     axis their pieces are cut along), or None if there is nothing to compute there. Ops whose
     target is in ``stop_at`` are not entered; ``trim=False`` keeps every node reached."""
-    depends_on_ring = _after_waits(graph, site.wait)
+    after_ring = _AfterWaits(site.wait)
     axis = dict(given)
-    for node in graph.nodes:
+    # The users of the region so far, in graph order: a node is looked at once all its inputs
+    # have been (the graph is sorted), and only nodes next to the region are visited.
+    frontier = [u for n in given for u in n.users]
+    heapq.heapify(frontier)
+    seen = set(frontier)
+    while frontier:
+        node = heapq.heappop(frontier)
         if node in axis or node in reserved or node.op != "call_function" or node.target in stop_at:
             continue
         inputs = node.all_input_nodes
-        if not any(i in axis for i in inputs):
-            continue
         for candidate in axes_of(node):
             cut = input_axes(node, candidate, count)
-            if cut is not None and all(
-                cut[i] == axis[i] if i in axis else i not in depends_on_ring for i in inputs
-            ):
+            if cut is not None and all(cut[i] == axis[i] if i in axis else not after_ring(i) for i in inputs):
                 axis[node] = candidate
+                for user in node.users:
+                    if user not in seen:
+                        seen.add(user)
+                        heapq.heappush(frontier, user)
                 break
     if len(axis) == len(given):
         return None
@@ -102,8 +109,7 @@ def _trimmed(region: Region, downstream: bool) -> Region | None:
     """Keep the compute and the views between it and the ring; drop views that only lead out
     of the region (viewing the assembled value is as good) or only into it from outside
     (slicing the input is as good). None if no compute is left."""
-    graph = next(iter(region.axis)).graph
-    order = [n for n in graph.nodes if n in region.axis and n not in region.given]
+    order = sorted(n for n in region.axis if n not in region.given)
     kept: set[fx.Node] = set()
     for node in reversed(order) if downstream else order:
         near = node.users if downstream else node.all_input_nodes
@@ -114,18 +120,36 @@ def _trimmed(region: Region, downstream: bool) -> Region | None:
         return None
     return Region({n: a for n, a in region.axis.items() if n in kept or n in region.given}, region.count, region.given)
 
-def _after_waits(graph: fx.Graph, wait: fx.Node) -> set[fx.Node]:
-    """What depends on ``wait`` or on any wait after it: a step cannot read those, since every
-    wait is pinned after the one before it (``order.py``), so a later collective's result is
-    not there yet when this ring's steps run (attention on q's pieces reading k and v that
-    another all-to-all brings)."""
-    tainted: set[fx.Node] = set()
-    seen = False
-    for node in graph.nodes:
-        seen = seen or node is wait
-        if (seen and node.target is WAIT) or any(i in tainted for i in node.all_input_nodes):
-            tainted.add(node)
-    return tainted - {wait}  # (its descendants are tainted too: nodes come in topological order)
+class _AfterWaits:
+    """Whether a node depends on ``wait`` or on any wait after it: a step cannot read those,
+    since every wait is pinned after the one before it (``order.py``), so a later collective's
+    result is not there yet when this ring's steps run (attention on q's pieces reading k and v
+    that another all-to-all brings). Only the nodes after ``wait`` are visited (the graph is
+    sorted); answers are kept for the region's walk."""
+
+    def __init__(self, wait: fx.Node):
+        self.wait = wait
+        self.known: dict[fx.Node, bool] = {}
+        self.expanded: set[fx.Node] = set()
+
+    def __call__(self, node: fx.Node) -> bool:
+        stack = [node]
+        while stack:  # depth first: a node is answered once the inputs after the wait are
+            n = stack[-1]
+            if n in self.known:
+                stack.pop()
+                continue
+            later = [i for i in n.all_input_nodes if self.wait < i and i not in self.known]
+            if later and n not in self.expanded:
+                self.expanded.add(n)
+                stack += later
+                continue
+            stack.pop()
+            self.known[n] = (self.wait < n and n.target is WAIT) or any(
+                i is self.wait or self.known.get(i, False) for i in n.all_input_nodes
+            )
+        return self.known[node]
+
 
 def _ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
     return _reachable(nodes, lambda n: n.all_input_nodes)

@@ -43,6 +43,13 @@ def _resize_readers(graph: fx.Graph, site: Site) -> None:
         graph.erase_node(reader)
 
 
+def replaced_by(site: Site) -> list[fx.Node]:
+    """The nodes of the graph that ``site``'s rewrite may have left unread: where a dead-code
+    sweep after it starts (it goes on up through their inputs)."""
+    consumers = [n for c in site.consumers for n in (c.mm, *c.views, *c.permutes, c.source)]
+    return [site.wait, site.tensor, *site.layout, *site.prologue, *site.fused, *consumers]
+
+
 def remove_replaced(graph: fx.Graph, sites: list[Site]) -> None:
     """Drop what the rewrites replaced: dead views, splits and matmuls, then the collectives
     (``wait_tensor`` is side-effectful, so dead-code elimination alone keeps it)."""
