@@ -7,14 +7,18 @@ communication and compute again. We add two control dependencies per step:
     compute  after  start      (the transfer is in flight while the matmul runs)
     wait     after  compute    (the wait does not block the matmul)
 
-and one more across steps and sites: every wait comes after the wait before it in the graph
-(ring exchanges and collectives alike). Each rank's graph differs in which piece a step
+and two more across steps and sites: every wait comes after the wait before it in the graph
+(ring exchanges and collectives alike), and so does every start (a ring exchange or a
+collective) after the start before it. Each rank's graph differs in which piece a step
 computes, so the scheduler may interleave two independent chains (the m sub-rings of
 ``chunks_per_rank=2``, or two sites) differently on different ranks, and one rank would wait
 on a transfer its peer starts only after a wait of its own: a deadlock (seen at 4 ranks with
 m = 2). With every rank waiting in one order, a rank blocked on transfer t has started every
 transfer up to t itself (each one's wait comes after its start), so the earliest transfer any
-rank is blocked on has been started by both ends.
+rank is blocked on has been started by both ends. The starts are chained because NCCL ignores
+the ``tag`` that keeps two messages between one pair of ranks apart under gloo: it pairs them
+in the order they are issued, and collectives of a group too, so every rank must issue them in
+the graph's order, which is the same on every rank (``tests/test_p2p_order.py``).
 
 The plan checks (:mod:`.check`) come before every collective and the first wait: a rank blocked
 on a transfer before comparing plans, while its peer compares first, would wait on each other,
@@ -33,7 +37,7 @@ from torch.utils._ordered_set import OrderedSet
 
 from commfuse_compile._compat import preserve_node_ordering
 
-from .graph_utils import WAIT
+from .graph_utils import WAIT, ring_exchange_op
 from .site import Site
 
 
@@ -45,7 +49,22 @@ def pin_ring_order(graph: fx.Graph, sites: list[Site], checks: list[fx.Node]) ->
         for node in [n for n in graph.nodes if _is_collective(n)] + waits[:1]:
             deps.setdefault(node, OrderedSet()).update(checks)
     _ring_deps(sites, waits, deps)
+    if any(site.steps for site in sites):
+        starts = [n for n in graph.nodes if n.target is ring_exchange_op() or _is_collective(n)]
+        for before, after in zip(starts, starts[1:]):
+            deps.setdefault(after, OrderedSet()).add(before)
     preserve_node_ordering(graph, deps)
+    _follow_replacements(graph, sites)
+
+
+def _follow_replacements(graph: fx.Graph, sites: list[Site]) -> None:
+    """Point the sites' steps at the pinned nodes (``preserve_node_ordering`` replaces every
+    node it pins by a ``control_deps`` call of the same name)."""
+    by_name = {node.name: node for node in graph.nodes}
+    for step in (step for site in sites for step in site.steps):
+        step.start = by_name.get(step.start.name) if step.start is not None else None
+        step.wait = by_name.get(step.wait.name) if step.wait is not None else None
+        step.compute = [by_name.get(node.name, node) for node in step.compute]
 
 
 def _is_collective(node: fx.Node) -> bool:

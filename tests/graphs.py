@@ -7,12 +7,15 @@ import torch.fx as fx
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
+from commfuse_compile.explain import _post_grad_only
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.passes import graph_kind, run_pipeline
 from commfuse_compile.report import new_report
 from commfuse_compile.passes.graph_utils import MM, GraphSnapshot
 
 aten = torch.ops.aten
+CONTROL_DEPS = torch.ops.higher_order.control_deps
+RING_EXCHANGE = torch.ops.commfuse.ring_exchange.default
 
 
 class _Capture(CustomInferenceAwareGraphPass):
@@ -30,10 +33,11 @@ def post_grad_graphs(fn, *inputs: torch.Tensor, backward: bool = True) -> dict[s
     """The post-grad graphs Inductor builds for ``fn`` (and its backward), keyed by kind."""
     capture = _Capture()
 
-    def backend(gm, example_inputs):
+    def backend(gm, example_inputs):  # (no code generated: the graphs run as they were)
         return compile_fx(
             gm,
             example_inputs,
+            inner_compile=_post_grad_only,
             config_patches={"post_grad_custom_post_pass": capture, "fx_graph_cache": False},
         )
 
@@ -61,19 +65,40 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return fx.GraphModule(torch.nn.Module(), GraphSnapshot(graph).saved).graph
 
 
+def unpinned(node: fx.Node) -> tuple[object, tuple]:
+    """The op ``node`` runs and its arguments, also when pinning wrapped it in ``control_deps``
+    (its subgraph runs the op on the call's inputs after the dependencies)."""
+    if node.target is not CONTROL_DEPS:
+        return node.target, node.args
+    subgraph = getattr(node.graph.owning_module, node.args[1].target).graph
+    (op,) = [n for n in subgraph.nodes if n.op == "call_function"]
+    inputs = [n for n in subgraph.nodes if n.op == "placeholder" and n.name.startswith("arg_")]
+    by_placeholder = dict(zip(inputs, node.args[2:]))
+    return op.target, fx.node.map_arg(op.args, lambda p: by_placeholder.get(p, p))
+
+
 def ring_exchanges(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.target is torch.ops.commfuse.ring_exchange.default]
+    """The ring exchange starts of ``graph``, pinned or not."""
+    return [n for n in graph.nodes if unpinned(n)[0] is RING_EXCHANGE]
+
+
+def exchange_args(node: fx.Node) -> tuple:
+    """(tensor sent, send_to, recv_from, group_name, tag) of a ring exchange start."""
+    target, args = unpinned(node)
+    assert target is RING_EXCHANGE, node
+    return args
 
 
 def hops_from(node: fx.Node, source: fx.Node) -> int | None:
     """Ring hops between ``source`` and ``node`` following reshape / wait / ring_exchange inputs."""
     hops = 0
     while node is not source:
-        if node.target is torch.ops.commfuse.ring_exchange.default:
+        target, args = unpinned(node)
+        if target is RING_EXCHANGE:
             hops += 1
-        if not node.args or not isinstance(node.args[0], fx.Node):
+        if not args or not isinstance(args[0], fx.Node):
             return None
-        node = node.args[0]
+        node = args[0]
     return hops
 
 
