@@ -25,6 +25,10 @@ PROGRAMS = ["canonical", "sequence_parallel", "plain_tp", "expert_parallel", "ul
 SCHEDULES = [("ring", 1), ("ring", 2), ("bidirectional", 1), ("bidirectional", 2), ("slicing", 1), ("slicing", 2)]
 
 
+def _is_collective(target) -> bool:
+    return getattr(target, "namespace", None) == "_c10d_functional" and target.__name__.split(".")[0] != "wait_tensor"
+
+
 def issued(graph: torch.fx.Graph) -> tuple[list[tuple], list[tuple]]:
     """This rank's point-to-point messages, (peer, direction, shape, dtype, tag) in issue
     order, and its collectives, (op, shape, dtype). The tag names the logical exchange (one
@@ -38,14 +42,14 @@ def issued(graph: torch.fx.Graph) -> tuple[list[tuple], list[tuple]]:
             sent, send_to, recv_from, tag = value, args[1], args[2], args[4]
             messages.append((send_to, "send", tuple(sent.shape), sent.dtype, tag))
             messages.append((recv_from, "recv", tuple(sent.shape), sent.dtype, tag))  # (same shape both ways)
-        elif getattr(target, "namespace", None) == "_c10d_functional" and target.__name__.split(".")[0] != "wait_tensor":
+        elif _is_collective(target):
             collectives.append((target.__name__, tuple(value.shape), value.dtype))
     return messages, collectives
 
 
 def _is_start(node: torch.fx.Node) -> bool:
     target, _ = unpinned(node)
-    return target is RING_EXCHANGE or (getattr(target, "namespace", None) == "_c10d_functional" and "wait_tensor" not in str(target))
+    return target is RING_EXCHANGE or _is_collective(target)
 
 
 def check_pinned(graph: torch.fx.Graph) -> None:
@@ -85,13 +89,14 @@ def test_every_send_meets_its_receive_in_issue_order(world, program):
                 if any(s.steps for s in sites):
                     check_pinned(rewritten)
                 rewrites.add(tuple(s.decision for s in sites))
-            _check(kind, schedule, m, per_rank, rewrites)
-            rewritten_somewhere += any(kind == "send" for messages, _ in per_rank for _, kind, *_ in messages)
+            rewritten_somewhere += _check(kind, schedule, m, per_rank, rewrites) > 0
     assert rewritten_somewhere >= 2  # forward and backward rewritten under some schedule
 
 
-def _check(kind: str, schedule: str, m: int, per_rank: list, rewrites: set) -> None:
+def _check(kind: str, schedule: str, m: int, per_rank: list, rewrites: set) -> int:
+    """The checks of one graph under one plan on every rank; returns the number of sends."""
     assert len(rewrites) == 1, f"{kind} {schedule} m={m}: ranks decided differently: {rewrites}"
     messages = check_pairs(per_rank)
     if "rewrite" in next(iter(rewrites)) and schedule != "slicing":
         assert messages > 0, (kind, schedule, m)  # (a rewritten ring sends)
+    return messages
