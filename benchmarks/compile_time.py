@@ -20,11 +20,14 @@ process with its own fresh ``TORCHINDUCTOR_CACHE_DIR``, so neither Inductor's on
 nor its in-memory kernel caches are warm; each process first compiles an unrelated one-op
 function (untimed) so one-time costs (lazy imports, the first C++ compiler call) land in
 neither backend's numbers. Serial compiles (``TORCHINDUCTOR_COMPILE_THREADS=1``), so the
-numbers add up on a shared machine; they still depend on machine load, so compare within a run.
+numbers add up on a shared machine; they still depend on machine load (on a shared VM one
+process may run a fifth slower than the next), so ``--repeats R`` measures every (stack,
+backend) R times, the backends taking turns in a rotated order each round, and reports the
+median with its range; the ratio to Inductor is that of the medians.
 
-Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 4] [--json out.json]``;
-``--quick`` compiles one block only and skips the warm-up compile (a smoke test: its numbers
-include the one-time costs).
+Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 4] [--repeats 3]
+[--json out.json]``; ``--quick`` compiles one block only and skips the warm-up compile (a smoke
+test: its numbers include the one-time costs).
 """
 
 from __future__ import annotations
@@ -41,13 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from _common import format_table, machine_info, progress, run_process, write_json
+from _common import format_table, machine_info, median, progress, run_process, write_json
 
 from commfuse_compile.models import Block, tp_plan
 
-# What each --backends name compiles with: commfuse-outline is commfuse with each ring step one
-# call of a body compiled once per shape (outline=True); commfuse's steps are inline.
-BACKENDS = {"inductor": None, "commfuse": {}, "commfuse-outline": {"outline": True}}
+# What each --backends name compiles with (commfuse: with the --schedule given).
+BACKENDS = {"inductor": None, "commfuse": {}}
 
 # Small dims: compile time hardly depends on them, and they divide by every world size ≤ 8.
 DIM, HEADS, FFN, BATCH, SEQ_PER_RANK = 64, 8, 128, 2, 4
@@ -59,12 +61,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     try:
         for blocks in args.blocks:
-            row: dict[str, Any] = {"blocks": blocks}
-            for backend in args.backends:
-                progress(f"compiling {blocks} block(s) with backend={backend!r} in a fresh process")
-                row[backend] = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick)
-                progress(f"  {backend}: {row[backend]['total_s']:.1f} s, {row[backend]['unique_kernels']} unique kernels" + _pass_note(row[backend]))
-            rows.append(row)
+            runs: dict[str, list[dict[str, Any]]] = {backend: [] for backend in args.backends}
+            for repeat in range(args.repeats):
+                turn = args.backends[repeat % len(args.backends) :] + args.backends[: repeat % len(args.backends)]
+                for backend in turn:
+                    progress(f"compiling {blocks} block(s) with backend={backend!r} in a fresh process (round {repeat + 1})")
+                    measured = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick)
+                    runs[backend].append(measured)
+                    progress(f"  {backend}: {measured['total_s']:.1f} s, {measured['unique_kernels']} unique kernels" + _pass_note(measured))
+            rows.append({"blocks": blocks, **{backend: summarize(measured) for backend, measured in runs.items()}})
     except RuntimeError as err:
         print(f"compile_time failed: {err}", file=sys.stderr)
         return 1
@@ -75,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schedule": args.schedule,
         "dims": {"dim": DIM, "heads": HEADS, "ffn": FFN, "batch": BATCH, "seq": SEQ_PER_RANK * args.world_size},
         "quick": args.quick,
+        "repeats": args.repeats,
         "results": rows,
     }
     print(render(results))
@@ -88,6 +94,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=4, help="size of the fake process group (default 4)")
     parser.add_argument("--schedule", default="ring", help="commfuse schedule option (default ring)")
     parser.add_argument("--backends", default="inductor,commfuse", help=f"comma-separated subset of {','.join(BACKENDS)} (default inductor,commfuse)")
+    parser.add_argument("--repeats", type=int, default=1, help="measure every (stack, backend) this many times, in turns (default 1)")
     parser.add_argument("--quick", action="store_true", help="one block, no compiler warm-up: a smoke test")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
@@ -98,10 +105,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--backends must name some of {', '.join(BACKENDS)}")
     if any(b < 1 for b in args.blocks):
         parser.error("--blocks must be positive")
+    if args.repeats < 1:
+        parser.error("--repeats must be positive")
     n = args.world_size
     if n < 1 or HEADS % n or FFN % n or DIM % n:
         parser.error(f"--world-size must divide heads {HEADS}, ffn {FFN} and dim {DIM}")
     return args
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One backend's figures over its repeats: each time the median, with ``total_s_min`` /
+    ``total_s_max`` and every run's total in ``total_s_runs``; the counts are the first run's
+    (they do not vary between runs)."""
+    summary = dict(runs[0])
+    for key in ("total_s", "forward_s", "backward_s", "pass_s"):
+        if key in summary:
+            summary[key] = median([run[key] for run in runs])
+    totals = [run["total_s"] for run in runs]
+    summary.update(total_s_min=min(totals), total_s_max=max(totals), total_s_runs=totals)
+    if "pass_fraction" in summary:
+        summary["pass_fraction"] = summary["pass_s"] / summary["total_s"]
+    return summary
 
 
 def _pass_note(measured: dict[str, Any]) -> str:
@@ -124,6 +148,7 @@ def render(results: dict[str, Any]) -> str:
                     row["blocks"],
                     backend,
                     m["total_s"],
+                    f"{m['total_s_min']:.1f}-{m['total_s_max']:.1f}",
                     f"{m['total_s'] / ind['total_s']:.2f}" if vs else None,
                     m["forward_s"],
                     m["backward_s"],
@@ -136,9 +161,9 @@ def render(results: dict[str, Any]) -> str:
             )
     head = (
         f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks, fake process group of {results['world_size']}, "
-        f"commfuse schedule={results['schedule']!r}"
+        f"commfuse schedule={results['schedule']!r}; median of {results.get('repeats', 1)} run(s) each, range of the totals"
     )
-    headers = ["blocks", "backend", "total s", "vs inductor", "fw s", "bw s", "pass s", "pass/total", "rewritten", "kernels (unique)", "unique vs inductor"]
+    headers = ["blocks", "backend", "total s", "range s", "vs inductor", "fw s", "bw s", "pass s", "pass/total", "rewritten", "kernels (unique)", "unique vs inductor"]
     return "\n".join([head, format_table(headers, rows, left=(1,))])
 
 

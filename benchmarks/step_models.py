@@ -80,7 +80,7 @@ class MLPWorkload:
 
     name = "mlp"
     default_rate = "400mbit"
-    variants = ("inductor", "inductor-reorder", "slicing", "ring", "ring-outline", "bidirectional", "auto")
+    variants = ("inductor", "inductor-reorder", "slicing", "ring", "bidirectional", "auto")
     quick = {"S": 64, "H": 32, "F": 64}
 
     def quick_sizes(self, n: int) -> dict[str, Any]:
@@ -186,7 +186,7 @@ class UlyssesWorkload:
 
     name = "ulysses"
     default_rate = "1gbit"
-    variants = ("inductor", "inductor-reorder", "ring", "ring-outline", "auto")  # (all-to-all: the ring schedule, m = 1)
+    variants = ("inductor", "inductor-reorder", "ring", "auto")  # (all-to-all: the ring schedule, m = 1)
     quick = {"S": 64, "H": 32}
 
     def quick_sizes(self, n: int) -> dict[str, Any]:

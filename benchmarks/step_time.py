@@ -15,16 +15,18 @@ Variants, all compiled in the same run on the same ranks: ``inductor`` (Inductor
 compile's Inductor options, so Dynamo does not reuse plain Inductor's code, and patched with
 ``torch._inductor.config.patch`` around every call, which covers the lazy backward compile), and
 ``backend="commfuse"`` with ``schedule`` = ``slicing``, ``ring``, ``bidirectional`` and ``auto``
-(for ``ulysses`` only ``ring`` and ``auto``: an all-to-all has the ring schedule alone), and
-``ring-outline``: the ring's plan with ``outline=True`` (each step's compute one call of a body
-compiled once per shape rather than inline), the same plan as ``ring``. What
+(for ``ulysses`` only ``ring`` and ``auto``: an all-to-all has the ring schedule alone). What
 ``auto`` decided is read from ``commfuse_compile.reports()`` and printed; under the ``cpu-gloo``
 profile it may leave everything alone. Two parts are timed alongside them: ``compute-only``
 (the same compute without collectives, Inductor) and ``comm-only`` (the step's collectives,
 eagerly, on tensors of the same sizes); ``max(compute, comm)`` is the ideal a perfect overlap
 could reach, and each variant's "saving" is the fraction of ``T_inductor - ideal`` it achieved.
 
-How. Every variant is compiled and warmed up first (untimed); then ``--rounds`` rounds each run
+How. Every variant is compiled and warmed up first (untimed); then untimed settling rounds run
+one step of every variant, round-robin, until every variant's step is within ``--settle`` (5%)
+of its step in the round before (at most ``--settle-rounds``, 10; rank 0 decides and tells
+the others): without them a variant's first timed rounds ran up to 20% slower than its last;
+then ``--rounds`` rounds each run
 ``--steps`` steps of every variant, round-robin, the order rotated every round so no variant
 always follows the same one. Ranks pass a barrier before every timed step; rank 0 times the step
 (its result needs every rank's contribution, so it ends about when the slowest rank's part
@@ -41,7 +43,8 @@ re-executes itself in a private network namespace whose loopback is shaped by a 
 shared by all ranks; 1gbit for ``ulysses``): communication then takes wall time at a few % CPU. Otherwise (or with
 ``--no-shape``) it runs on plain loopback and says so in the output and the JSON.
 
-Sizes. Each layer is sized so that its compute takes about ``--compute-ms`` per step at the
+Sizes. Unless ``--sizes`` fixes them (to compare runs: the measured matmul rate varies by a
+quarter between runs here), each layer is sized so that its compute takes about ``--compute-ms`` per step at the
 matmul rate measured here and its communication about ``--comm-ratio`` (0.5) of the compute at
 RATE (``step_models.py`` says how); the sizes and the resulting estimates are printed.
 
@@ -83,8 +86,8 @@ from _common import (
 )
 from step_models import WORKLOADS
 
-VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "ring-outline", "bidirectional", "auto")
-COMMFUSE_SCHEDULES = ("slicing", "ring", "ring-outline", "bidirectional", "auto")
+VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "bidirectional", "auto")
+COMMFUSE_SCHEDULES = ("slicing", "ring", "bidirectional", "auto")
 
 # Set in the re-executed child that runs inside the private network namespace.
 NETNS_ENV = "COMMFUSE_BENCH_NETNS"
@@ -121,10 +124,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; 2 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (default 3; 1 with --quick)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant after its compile (default 2)")
+    parser.add_argument("--settle", type=float, default=0.05, help="settled when every variant's untimed step is within this fraction of its last (default 0.05)")
+    parser.add_argument("--settle-rounds", type=int, default=None, help="at most this many untimed settling rounds (default 10; 0 with --quick)")
     parser.add_argument("--compute-ms", type=float, default=400.0, help="target compute time of one fw+bw step (default 400)")
     parser.add_argument("--comm-ratio", type=float, default=0.5, help="target communication / compute time (default 0.5)")
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)} (default: all that apply to the model)")
     parser.add_argument("--chunks-per-rank", type=int, default=None, help="commfuse chunks_per_rank for the fixed schedules (default: theirs)")
+    parser.add_argument("--sizes", default=None, help="fixed sizes instead of planned ones, e.g. S=832,H=512,F=12960 (to compare runs)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds of 1 step: a smoke test")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
@@ -140,6 +146,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.rounds = 2 if args.quick else 5
     if args.steps is None:
         args.steps = 1 if args.quick else 3
+    if args.settle_rounds is None:
+        args.settle_rounds = 0 if args.quick else 10
     if args.quick:
         args.warmup = min(args.warmup, 1)
     return args
@@ -214,6 +222,8 @@ def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
     n, workload = args.world_size, WORKLOADS[args.model]
     if args.quick:
         sizes = workload.quick_sizes(n)
+    elif args.sizes:
+        sizes = {key: int(value) for key, value in (item.split("=") for item in args.sizes.split(","))}
     else:
         progress("measuring the single-thread matmul rate")
         # Unshaped: size as if shaped at the rate asked for (the output says it is not shaped).
@@ -234,6 +244,8 @@ def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
+        "settle": args.settle,
+        "settle_rounds": args.settle_rounds,
     }
     cache_dir = tempfile.mkdtemp(prefix="commfuse_step_time_")
     try:
@@ -255,6 +267,7 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], sizes: dict[str,
         variants[name] = {
             "median_ms": t,
             "min_ms": min(times[name]),
+            "max_ms": max(times[name]),
             "times_ms": times[name],
             "ratio_to_inductor": t / base if base else None,
             "saving_fraction": (base - t) / (base - ideal) if base is not None and base > ideal else None,
@@ -273,6 +286,8 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], sizes: dict[str,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
         "warmup": args.warmup,
+        "settling_rounds_ms": rank0["settling_rounds_ms"],
+        "round_medians_ms": rank0["round_medians_ms"],
         "variants": variants,
         "parts": {"compute_ms": compute, "comm_ms": comm, "ideal_ms": ideal, "compute_times_ms": times["compute-only"], "comm_times_ms": times["comm-only"]},
         "possible_saving_ms": base - ideal if base is not None else None,
@@ -283,7 +298,7 @@ def render(results: dict[str, Any]) -> str:
     """The results table and the parts, as printed on stdout."""
     rows = []
     for name, v in results["variants"].items():
-        rows.append([name, v["median_ms"], v["min_ms"], _ratio(v["ratio_to_inductor"]), _percent(v["saving_fraction"]), v["compile_s"], _sites(v["sites"])])
+        rows.append([name, v["median_ms"], v["min_ms"], v["max_ms"], _ratio(v["ratio_to_inductor"]), _percent(v["saving_fraction"]), v["compile_s"], _sites(v["sites"])])
     parts = results["parts"]
     n, s = results["world_size"], results["sizes"]
     shape = " ".join(f"{k}={s[k]}" for k in ("S", "H", "F") if k in s)
@@ -291,8 +306,10 @@ def render(results: dict[str, Any]) -> str:
         "",
         f"step time, {results['model']}, fw+bw, world size {n}, {shape}, "
         f"{'shaped loopback ' + results['network'].get('rate', '') if results['shaped'] else 'UNSHAPED loopback'}, "
-        f"{results['rounds']} rounds x {results['steps_per_round']} steps, rank 0",
-        format_table(["variant", "median ms", "min ms", "vs inductor", "saving", "compile s", "commfuse sites"], rows, left=(0, 6)),
+        f"{results['rounds']} rounds x {results['steps_per_round']} steps, rank 0, after "
+        f"{len(results['settling_rounds_ms'])} untimed settling rounds "
+        f"({', '.join(f'{t:.0f}' for t in results['settling_rounds_ms'])} ms)",
+        format_table(["variant", "median ms", "min ms", "max ms", "vs inductor", "saving", "compile s", "commfuse sites"], rows, left=(0, 7)),
         f"compute alone {parts['compute_ms']:.1f} ms, communication alone {parts['comm_ms']:.1f} ms, "
         f"ideal max(compute, comm) {parts['ideal_ms']:.1f} ms"
         + _possible_saving(results["possible_saving_ms"]),
@@ -364,7 +381,9 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     compile_s["comm-only"] = _warm_up("comm-only", steps["comm-only"], config["warmup"], rank)
 
     names = list(steps)
+    settling = _settle(steps, names, config["settle"], config["settle_rounds"], rank)
     times: dict[str, list[float]] = {name: [] for name in names}
+    round_medians: list[dict[str, float]] = []
     for r in range(config["rounds"]):
         order = names[r % len(names):] + names[: r % len(names)]  # rotate: no fixed predecessor
         for name in order:
@@ -373,10 +392,37 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
                 start = time.perf_counter()
                 steps[name]()
                 times[name].append((time.perf_counter() - start) * 1e3)
+        round_medians.append({name: median(times[name][-config["steps"]:]) for name in names})
         if rank == 0:
             progress(f"round {r + 1}/{config['rounds']}: " + ", ".join(f"{k} {median(v):.1f}" for k, v in times.items()) + " ms")
     dist.barrier()
-    return {"times_ms": times, "compile_s": compile_s, "sites": sites}
+    return {"times_ms": times, "compile_s": compile_s, "sites": sites, "settling_rounds_ms": settling, "round_medians_ms": round_medians}
+
+
+def _settle(steps: dict[str, Callable[[], None]], names: list[str], tolerance: float, max_rounds: int, rank: int) -> list[float]:
+    """Untimed rounds of one step of every variant until each variant's step is within
+    ``tolerance`` of its step in the round before; rank 0's times decide, for every rank (the
+    ranks must run the same number of steps). Returns rank 0's round totals in ms."""
+    import torch.distributed as dist
+
+    totals: list[float] = []
+    last: dict[str, float] = {}
+    for _ in range(max_rounds):
+        now: dict[str, float] = {}
+        for name in names:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            now[name] = time.perf_counter() - start
+        totals.append(sum(now.values()) * 1e3)
+        settled = torch.tensor([bool(last) and all(abs(now[k] - last[k]) <= tolerance * last[k] for k in names)])
+        dist.broadcast(settled, src=0)
+        if rank == 0:
+            progress(f"settling round {len(totals)}: " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in now.items()) + " ms")
+        if settled.item():
+            break
+        last = now
+    return totals
 
 
 def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, chunks: int | None) -> Callable[[], None]:
@@ -394,8 +440,7 @@ def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.T
         # And patched around every call: backward compiles lazily, during the first .backward().
         context = functools.partial(inductor_config.patch, flag)
     else:
-        # ring-outline: the ring's plan with each step one call of a shared compiled body
-        options: dict[str, Any] = {"schedule": "ring", "outline": True} if name == "ring-outline" else {"schedule": name}
+        options: dict[str, Any] = {"schedule": name}
         if chunks is not None and name != "auto":
             options["chunks_per_rank"] = chunks
         compiled = torch.compile(model, backend="commfuse", options=options)

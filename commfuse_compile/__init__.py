@@ -7,7 +7,7 @@ See :mod:`commfuse_compile.backend` for the backend, :class:`CommfuseOptions` fo
 any world size in one process.
 """
 
-from . import p2p  # noqa: F401  (registers torch.ops.commfuse.ring_exchange)
+from . import p2p, piece  # noqa: F401  (register torch.ops.commfuse.ring_exchange, .piece, .contiguous)
 from .options import CommfuseOptions
 from .plan_check import PlanMismatchError
 from .explain import explain, fake_world

@@ -119,13 +119,15 @@ def commfuse(
     """
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    from .explain import run_rewritten
+
     opts = CommfuseOptions.from_user(_with_mode(options, mode))
     report = new_report({k: getattr(opts, k) for k in opts.valid_keys()})
     hits_before = _cache_hits()
     compiled = compile_fx(
         gm,
         example_inputs,
-        inner_compile=_inner_compile or compile_fx_inner,
+        inner_compile=_inner_compile or (compile_fx_inner if opts.codegen else run_rewritten),
         config_patches={**opts.inductor_config(), "post_grad_custom_post_pass": CommfusePass(opts, report)},
     )
     report.cache_hits = _cache_hits() - hits_before

@@ -94,15 +94,33 @@ def explain(
 def _post_grad_only(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable[..., Any]:
     """Inductor's per-graph compile up to and including its post-grad passes, as
     ``fx_codegen_and_compile`` runs them, then no code generation: the graph runs as it was."""
-    from ._compat import fake_tensor_prop, make_boxed_func, post_grad_passes_of, view_to_reshape, virtualized
+    from ._compat import make_boxed_func
 
     runnable = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    run_post_grad_passes(gm, example_inputs, kwargs.get("is_inference", False))
+    return make_boxed_func(runnable.forward)
+
+
+def run_rewritten(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable[..., Any]:
+    """Inductor's per-graph compile up to and including its post-grad passes (the commfuse pass
+    the last of them), then no code generation: the rewritten graph runs op by op on ATen
+    (``options={"codegen": False}``)."""
+    from ._compat import make_boxed_func
+
+    run_post_grad_passes(gm, example_inputs, kwargs.get("is_inference", False))
+    gm.recompile()
+    return make_boxed_func(gm.forward)
+
+
+def run_post_grad_passes(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> None:
+    """What ``fx_codegen_and_compile`` does to ``gm`` before lowering it, in place."""
+    from ._compat import fake_tensor_prop, post_grad_passes_of, view_to_reshape, virtualized
+
     view_to_reshape(gm)
     with torch.no_grad():
         fake_mode = fake_tensor_prop(gm, example_inputs)
     with virtualized.V.set_fake_mode(fake_mode):
-        post_grad_passes_of(gm, is_inference=kwargs.get("is_inference", False))
-    return make_boxed_func(runnable.forward)
+        post_grad_passes_of(gm, is_inference=is_inference)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -49,12 +49,10 @@ class CommfuseOptions:
         pin_order: pin every step as start → matmul → wait in Inductor's generated code.
             Without it Inductor's peak-memory reordering may pull each wait up to its start,
             which keeps results exact but removes the overlap.
-        outline: compute each ring step as one call of a body Inductor compiles once per
-            shape (``invoke_subgraph``), shared by every step of that shape in the graph, so
-            the kernels a rewritten graph generates do not grow with the group size: about
-            half the distinct kernels, 0.6-0.75x the compile time. Off by default: it costs compute time
-            (a sequence-parallel MLP step's compute 24% slower here). Off: steps inline, each with its own
-            kernels (their piece offsets baked in).
+        codegen: hand the rewritten graphs to Inductor's code generation. Off: they run op by
+            op on ATen, as the ``aot_eager`` backend runs its graphs, after Inductor's post-grad
+            passes and the commfuse pass (the same rewrite, no kernel compiled): to tell a
+            problem of the rewrite from one of Inductor's, or to check numerics fast.
         strict: if the pass raises on a graph, re-raise instead of warning and compiling that
             graph unrewritten.
         mode: the torch.compile mode for Inductor (:data:`MODES`), applied as
@@ -72,7 +70,7 @@ class CommfuseOptions:
     flash_a2a: bool = True
     fusion: bool = True
     pin_order: bool = True
-    outline: bool = False
+    codegen: bool = True
     strict: bool = False
     mode: str = "default"
 
@@ -91,13 +89,18 @@ class CommfuseOptions:
                 f"commfuse options must be a dict, got {type(options).__name__}; "
                 f"valid keys: {', '.join(cls.valid_keys())}"
             )
+        if "outline" in options:
+            raise ValueError(
+                "commfuse option 'outline' was removed: every ring step now reads its pieces through "
+                "pointers of their own (commfuse.piece), so steps share their kernels without it; drop the option"
+            )
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
             raise ValueError(
                 f"unknown commfuse option(s) {', '.join(map(repr, unknown))}; "
                 f"valid keys: {', '.join(cls.valid_keys())}"
             )
-        for key in ("flash_ag", "flash_rs", "flash_ar", "flash_a2a", "fusion", "pin_order", "outline", "strict"):
+        for key in ("flash_ag", "flash_rs", "flash_ar", "flash_a2a", "fusion", "pin_order", "codegen", "strict"):
             if key in options and not isinstance(options[key], bool):
                 raise ValueError(f"commfuse option {key!r} must be True or False, got {options[key]!r}")
         return cls(**options)

@@ -1,10 +1,16 @@
-"""Point-to-point ring transport: ``torch.ops.commfuse.ring_exchange``.
+"""Point-to-point ring transport: ``torch.ops.commfuse.ring_exchange`` and ``wait_exchange``.
 
-One call starts an asynchronous neighbour exchange: send ``tensor`` to one peer and receive a
-tensor of the same shape and dtype from another, within the process group named ``group_name``.
-It returns the receive buffer at once; the graph later waits on it with
-``torch.ops._c10d_functional.wait_tensor`` — the same wait the functional collectives use, so
-Inductor treats it like any other asynchronous collective (and the wait is zero-copy).
+``received = ring_exchange(sent, send_to, recv_from, group_name, tag)`` starts an asynchronous
+neighbour exchange: send ``sent`` to one peer and receive a tensor of the same shape and dtype
+from another, within the process group named ``group_name``. It returns the receive buffer at
+once. ``wait_exchange(received, sent)`` waits for both transfers and returns ``received`` (a
+view, no copy).
+
+No copy is sent: the transport reads ``sent`` itself while the matmul of the step runs, so
+``sent`` must stay allocated and unmodified until the wait. ``wait_exchange`` takes it as an
+input for that: Inductor, which reuses a buffer once its last reader has run, sees the wait
+read it, so it neither frees it nor writes another result into it before then. (Only a sent
+tensor that is not contiguous is copied first, by the transport.)
 
 Why a custom op rather than ``_c10d_functional.isend/irecv``: in torch 2.13 those leak one
 work-registry entry per call and hang when waited on the send side.
@@ -14,11 +20,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.fx.node import has_side_effect
 
 
 from ._compat import register_work, resolve_process_group
 
-__all__ = ["ring_exchange"]
+__all__ = ["WAIT_EXCHANGE", "ring_exchange"]
 
 
 @torch.library.custom_op("commfuse::ring_exchange", mutates_args=())
@@ -28,12 +35,12 @@ def ring_exchange(
     """Start sending ``tensor`` to group rank ``send_to`` and receiving from ``recv_from``.
 
     Returns the receive buffer; it is valid only after
-    ``torch.ops._c10d_functional.wait_tensor(result)``. ``tag`` keeps two messages between the
-    same pair of ranks apart (with a group of 2, both ring directions reach the same peer).
+    ``torch.ops.commfuse.wait_exchange(result, tensor)``, and ``tensor`` must not be freed or
+    modified before then (it is sent as it is). ``tag`` keeps two messages between the same
+    pair of ranks apart (with a group of 2, both ring directions reach the same peer).
     """
     group = resolve_process_group(group_name)
-    # Private copy: the caller's buffer may be reused by Inductor before the send completes.
-    outgoing = tensor.contiguous().clone()
+    outgoing = tensor.contiguous()  # (a copy only where the tensor is strided)
     incoming = torch.empty_like(outgoing)
     works = dist.batch_isend_irecv(
         [
@@ -41,7 +48,7 @@ def ring_exchange(
             dist.P2POp(dist.irecv, incoming, group=group, group_peer=recv_from, tag=tag),
         ]
     )
-    # wait_tensor(incoming) waits on both, so the send is complete before the step moves on.
+    # Waiting on incoming waits on both, so the send is complete before the step moves on.
     for work in works:
         register_work(incoming, work)
     return incoming
@@ -50,3 +57,25 @@ def ring_exchange(
 @ring_exchange.register_fake
 def _(tensor: torch.Tensor, send_to: int, recv_from: int, group_name: str, tag: int) -> torch.Tensor:
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+_lib = torch.library.Library("commfuse", "FRAGMENT")
+_lib.define("wait_exchange(Tensor(a) received, Tensor sent) -> Tensor(a)")
+
+
+def _wait_exchange(received: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """Wait for the exchange that receives into ``received`` and sends ``sent``; ``received``."""
+    torch.ops._c10d_functional.wait_tensor(received)
+    return received.view(received.shape)
+
+
+def _wait_exchange_meta(received: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    return received.view(received.shape)
+
+
+_lib.impl("wait_exchange", _wait_exchange, "CompositeExplicitAutograd")
+_lib.impl("wait_exchange", _wait_exchange_meta, "Meta")
+WAIT_EXCHANGE = torch.ops.commfuse.wait_exchange.default
+# A wait is never dead code: it completes the transfers (and releases the work) even where its
+# result is not read. (FX's DCE and Inductor's scheduler both ask this registry.)
+has_side_effect(WAIT_EXCHANGE)

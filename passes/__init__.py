@@ -2,7 +2,7 @@
 
 One stage per module, one data type (:class:`~commfuse_compile.passes.site.Site`) between them:
 
-    match → plan → rewrite → outline → order → check → report
+    match → plan → rewrite → separate → hold → check → order → report
 
 and one module per pattern (:data:`PATTERNS`), which the stages call through the interface of
 :class:`~commfuse_compile.passes.pattern.Pattern`: what it matches, the workload the cost model
@@ -27,13 +27,14 @@ from .all_to_all import AllToAll
 from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
 from .graph_utils import GraphSnapshot, erase_dead, recording
+from .hold import hold_sent_tensors
 from .matmul_reduce_scatter import MatmulReduceScatter
-from .outline import outline_steps
 from .order import pin_ring_order
 from .pattern import Pattern
 from .plan import one_ring_per_matmul, plan_site
 from .report import record_sites
 from .rewrite import remove_replaced, replaced_by, rewrite_site
+from .separate import separate_pieces
 from .site import Site
 
 __all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_rank", "run_pipeline"]
@@ -127,9 +128,8 @@ def run_pipeline(
                 fuse.reserved.update(emitted)  # a later site's fusion must not recompute this ring
                 erase_dead(graph, replaced_by(site))  # else they read like outside users to a later region
         remove_replaced(graph, sites)
-        if options.outline:
-            outline_steps(graph, sites)
-            stable_topological_sort(graph)
+        separate_pieces(graph, sites)
+        hold_sent_tensors(graph, sites)
         checks = insert_plan_checks(graph, sites, plans, options, kind)
         if options.pin_order:
             pin_ring_order(graph, sites, checks)

@@ -48,12 +48,13 @@ from __future__ import annotations
 import itertools
 from math import prod
 
+import torch
 import torch.fx as fx
 
 from commfuse_compile.cost_model import Matmul, Workload
 from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_pieces
 
-from .chunks import assemble, chunk_problem, cut, in_layout, join, matmul_problem, output_axis, piece_product
+from .chunks import accumulate, assemble, chunk_problem, cut, in_layout, join, matmul_problem, output_axis, piece_product
 from .fusion import Fuse
 from .graph_utils import ADDMM, ALL_GATHER, MATMULS, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, depends_on, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
 from .layout import after_permutes, reshape_chains, single_wait, split_cat, transpose_chains
@@ -216,16 +217,27 @@ class _Pieces:
         for c, consumer in enumerate(self.site.consumers):
             rows = held if consumer.source is None else join(emit, [self.prologue.value(emit, consumer.source, q) for q in pieces], d)
             y = piece_product(emit, consumer, self.site, rows, pieces, self.count)
-            nodes.append(y)
             if consumer.role == "contraction":
-                self.partials[c].append(y)
-            else:  # (slicing holds one piece per rank, side by side along d)
+                y = self._add_partial(emit, c, y)
+            nodes.append(y)
+            if consumer.role != "contraction":  # (slicing holds one piece per rank, side by side along d)
                 laid_out = in_layout(emit, consumer, y, held, d)
                 for q, part in zip(pieces, cut(emit, laid_out, output_axis(consumer, d), len(pieces))):
                     self.outputs[c][q] = part
         for q in pieces:
             nodes += fused.step(emit, q, [out[q] for out in self.outputs])
         return nodes
+
+    def _add_partial(self, emit: Emitter, c: int, y: fx.Node) -> fx.Node:
+        """Keep consumer c's partial product ``y``: in fp32 accumulated onto the partials before
+        it by the matmul itself (:func:`accumulate`); in low precision kept apart, to be summed
+        in fp32 (:func:`assemble`)."""
+        partials = self.partials[c]
+        if not partials or fake(y).dtype != torch.float32:
+            partials.append(y)
+            return y
+        partials[-1] = accumulate(emit, partials[-1], y)
+        return partials[-1]
 
     def finish(self, emit: Emitter) -> None:
         """Replace each consumer by its result put back together; serve any other reader of the

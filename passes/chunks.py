@@ -13,6 +13,8 @@ from math import prod
 import torch
 import torch.fx as fx
 
+from commfuse_compile.piece import CONTIGUOUS
+
 from .graph_utils import ADDMM, DTYPE_VIEW, MM, SCALED_MM, Emitter, aten, divides, fake, right_operand, same_shape
 from .site import Consumer, Site
 
@@ -153,6 +155,20 @@ def sum_nodes(emit: Emitter, nodes: list[fx.Node]) -> fx.Node:
     return total
 
 
+def accumulate(emit: Emitter, total: fx.Node | None, product: fx.Node) -> fx.Node:
+    """``total + product`` for a ``product = mm(a, b)`` just emitted (and not read yet): as
+    ``addmm(total, a, b)``, the sum made by the matmul itself, in its accumulator, with no
+    kernel of its own (a separate add is one more kernel to compile per number of terms, and
+    one more pass over the product); any other product is added. ``total`` None: the product."""
+    if total is None:
+        return product
+    if product.target is MM and not product.users and fake(total).dtype == fake(product).dtype:
+        a, b = product.args
+        emit.graph.erase_node(product)
+        return emit(ADDMM, total, a, b)
+    return emit(aten.add.Tensor, total, product)
+
+
 def piece_shape(site: Site, count: int) -> list[int]:
     """Shape of one of ``count`` pieces of the site's tensor along its dim."""
     shape = list(fake(site.tensor).shape)
@@ -166,9 +182,10 @@ def scale_rows(emit: Emitter, consumer: Consumer, site: Site, pieces: list[int],
     if consumer.mm.target is not SCALED_MM or fake(consumer.mm.args[2]).numel() == 1:
         return None
     rows = rows_of_pieces(emit, consumer.mm.args[2], site, pieces, count)
-    # A copy: as a view of the whole, Inductor may give the size-1 dim stride 0, which
-    # _scaled_mm refuses ("expected scale_a.stride(1) to be 1").
-    return emit(aten.clone.default, rows, memory_format=torch.contiguous_format)
+    # A copy made by ATen: as a view of the whole, or a copy Inductor lays out itself, the
+    # size-1 dim may get another stride, which _scaled_mm refuses ("expected scale_a.stride(1)
+    # to be 1"); ATen's contiguous clone of [m, 1] has strides (1, 1).
+    return emit(CONTIGUOUS, rows)
 
 
 def matmul_problem(matmul: fx.Node) -> str | None:

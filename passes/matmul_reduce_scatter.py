@@ -46,7 +46,7 @@ import torch.fx as fx
 from commfuse_compile.cost_model import Matmul, Workload
 from commfuse_compile.schedules import flash_rs_steps, pieces_per_chunk, slice_pieces
 
-from .chunks import chunk_problem, cut, join, matmul_like, matmul_problem, piece_shape, scale_rows, sum_nodes
+from .chunks import accumulate, chunk_problem, cut, join, matmul_like, matmul_problem, piece_shape, scale_rows
 from .fusion import Fuse
 from .graph_utils import ADDMM, MATMULS, MM, REDUCE_SCATTER, RESHAPES, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, describe_users, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of, target_name
 from .layout import before_permutes, single_wait, split_cat, split_cat_source
@@ -196,8 +196,7 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
         for sub in step:
             partial = {}
             for mv in sub:  # this step's products of the piece
-                compute = _products(emit, site, fused, [mv.piece], count)
-                partial[mv.stream] = (compute, sum_nodes(emit, compute))
+                partial[mv.stream] = _summed(emit, _products(emit, site, fused, [mv.piece], count))
             for mv in sub:  # plus the partial sum of the ranks before, waited after the matmuls
                 compute, p = partial[mv.stream]
                 wait = emit(WAIT, acc[mv.stream]) if mv.receives else None
@@ -228,8 +227,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     results: list[fx.Node] = []
     for s in range(k):
         carried = slice_pieces(n, k, s)
-        compute = _products(emit, site, fused, carried, count)
-        product = sum_nodes(emit, compute)
+        compute, product = _summed(emit, _products(emit, site, fused, carried, count))
         previous = scatters[-1] if scatters else None
         wait = emit(WAIT, previous) if previous is not None else None  # after this slice's matmul
         if wait is not None:
@@ -239,6 +237,16 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     results.append(emit(WAIT, scatters[-1]))  # the tail
     fused.finish(emit)
     _finish(emit, site, results, count)
+
+
+def _summed(emit: Emitter, products: list[fx.Node]) -> tuple[list[fx.Node], fx.Node]:
+    """The terms' products summed (a plain matmul accumulated onto the ones before it), and
+    the nodes that compute them: what a step pins between its start and its wait."""
+    total, matmuls = None, []
+    for product in products:
+        total = accumulate(emit, total, product)
+        matmuls.append(product if not product._erased else total)  # (an addmm in its place)
+    return matmuls, total
 
 
 def _by_columns(site: Site) -> bool:

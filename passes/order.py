@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.utils._ordered_set import OrderedSet
 
 from commfuse_compile._compat import preserve_node_ordering
+from commfuse_compile.p2p import WAIT_EXCHANGE
 
 from .graph_utils import WAIT, ring_exchange_op
 from .site import Site
@@ -44,7 +45,7 @@ from .site import Site
 def pin_ring_order(graph: fx.Graph, sites: list[Site], checks: list[fx.Node]) -> None:
     """Pin the rings' steps, and the plan ``checks`` before every collective and the first wait."""
     deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
-    waits = [node for node in graph.nodes if node.target is WAIT]
+    waits = [node for node in graph.nodes if node.target is WAIT or node.target is WAIT_EXCHANGE]
     if checks:
         for node in [n for n in graph.nodes if _is_collective(n)] + waits[:1]:
             deps.setdefault(node, OrderedSet()).update(checks)
@@ -77,7 +78,7 @@ def _ring_deps(sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, Orde
         for step in site.steps:
             if step.start is None:
                 continue
-            for compute in step.compute if step.outlined is None else ():  # (outlined: the start is an input)
+            for compute in step.compute:
                 deps.setdefault(compute, OrderedSet()).add(step.start)
             deps.setdefault(step.wait, OrderedSet()).update(step.compute)
     if any(site.steps for site in sites):

@@ -77,7 +77,6 @@ class RingStep:
     compute: list[fx.Node]  # the chunk matmul(s)
     start: fx.Node | None = None  # ring_exchange overlapping this step's compute, if any
     wait: fx.Node | None = None  # wait_tensor of that exchange, pinned after ``compute``
-    outlined: fx.Node | None = None  # the invoke_subgraph computing it (outline.py), if any
 
 
 @dataclasses.dataclass

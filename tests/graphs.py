@@ -16,6 +16,7 @@ from commfuse_compile.passes.graph_utils import MM, GraphSnapshot
 aten = torch.ops.aten
 CONTROL_DEPS = torch.ops.higher_order.control_deps
 RING_EXCHANGE = torch.ops.commfuse.ring_exchange.default
+PIECE, CONTIGUOUS = torch.ops.commfuse.piece.default, torch.ops.commfuse.contiguous.default
 
 
 class _Capture(CustomInferenceAwareGraphPass):
@@ -50,12 +51,11 @@ def post_grad_graphs(fn, *inputs: torch.Tensor, backward: bool = True) -> dict[s
 
 
 def rewrite_as(graph: fx.Graph, rank: int, kind: str, **options):
-    """Run the pipeline on a copy of ``graph`` as ``rank`` would (ring schedule, steps inline
-    rather than outlined, so that their nodes can be read, unless ``options`` say otherwise);
-    returns the rewritten graph, its sites and the report."""
+    """Run the pipeline on a copy of ``graph`` as ``rank`` would (ring schedule unless
+    ``options`` say otherwise); returns the rewritten graph, its sites and the report."""
     graph = copy_graph(graph)
     report = new_report({})
-    options = {"schedule": "ring", "outline": False, **options}
+    options = {"schedule": "ring", **options}
     sites = run_pipeline(graph, CommfuseOptions(**options), kind, report, rank_of=lambda _: rank)
     return graph, sites, report
 
@@ -103,9 +103,15 @@ def hops_from(node: fx.Node, source: fx.Node) -> int | None:
 
 
 def _through_reshapes(node: fx.Node) -> fx.Node:
-    while node.target in (aten.reshape.default, aten.view.default, aten.permute.default):
+    while node.target in (aten.reshape.default, aten.view.default, aten.permute.default, CONTIGUOUS):
         node = node.args[0]
     return node
+
+
+def is_cut(node: fx.Node) -> bool:
+    """A piece of a tensor at an offset, as the pass emits it: ``aten.slice`` or ``commfuse.piece``
+    (both ``(tensor, dim, start, end)``)."""
+    return node.target in (aten.slice.Tensor, PIECE)
 
 
 def _hops_to_chunk(mm: fx.Node, source: fx.Node) -> int | None:
@@ -135,7 +141,8 @@ def sliced_chunk_order(graph: fx.Graph, names: set[str]) -> list[int]:
     order: list[int] = []
     for node in graph.nodes:
         if node.name in names:
-            _, dim, start, end = _through_reshapes(node.args[0]).args
+            target, args = unpinned(node)
+            _, dim, start, end = _through_reshapes(args[1] if target is aten.addmm.default else args[0]).args[:4]
             chunk = start // (end - start)
             if not order or order[-1] != chunk:
                 order.append(chunk)
@@ -155,7 +162,7 @@ def attention_calls(nodes) -> list[tuple[int, int, int, bool]]:
     for node in nodes:
         assert node.kwargs.get("attn_mask") is None, f"{node.name} has a mask"
         key, causal = node.args[1], node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
-        begin, end = (key.args[2], key.args[3]) if key.target is torch.ops.aten.slice.Tensor else (0, key.meta["val"].shape[2])
+        begin, end = (key.args[2], key.args[3]) if is_cut(key) else (0, key.meta["val"].shape[2])
         calls.append((node.args[0].meta["val"].shape[2], begin, end, bool(causal)))
     return sorted(calls)
 

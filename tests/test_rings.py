@@ -1,10 +1,14 @@
 """Multi-rank tests on CPU with gloo, at world sizes 2 and 4 (ranks spawned once per world size).
 
 Every rewrite is checked against the same program run eagerly, forward and backward, in fp32
-and bf16 (tolerances in ``programs.TOLERANCES``), and the generated code is read to check that
-every ring step runs start → matmul → wait. Then every schedule (ring / bidirectional /
+and bf16 (tolerances in ``programs.TOLERANCES``); then every schedule (ring / bidirectional /
 slicing) with m = 1, 2, 3, fusion on and off: the record must say every site was rewritten with
 exactly the schedule and m asked for (and what was fused), and outputs and grads must equal eager.
+These run the rewritten graphs op by op (``codegen=False``: the rewrite itself, over real
+transfers, in seconds). Compiled by Inductor (``COMPILED``): a covering set of the programs at 2 ranks, plain
+tensor parallelism (both patterns and the split all-reduce) at 4 too, and the generated code is read to check that every ring step runs
+start → matmul → wait. Each compile spends most of its time in the C++ compiler, about a second
+per distinct kernel: the suite cannot afford one per case.
 """
 
 from __future__ import annotations
@@ -104,9 +108,30 @@ CASES = [(p, "fp32") for p in EXPECTED_SITES if p not in ("attention", "batch1_v
 ]
 
 
+# Compiled by Inductor at 2 ranks: pieces of [B, S/N, H] on S (commfuse.piece / contiguous),
+# attention split by query rows, the all-reduce split (norm per piece), the all-to-alls, fp8
+# _scaled_mm and a bf16 row-local tail; at 4 ranks the all-reduce split and the all-to-alls (the
+# Llama block, test_tp_llama.py, compiles the dim-1 forms and attention at both).
+COMPILED = [("sequence_parallel", "fp32"), ("attention", "bf16"), ("plain_tp", "fp32"), ("ulysses", "fp32"), ("scaled_rowwise", "bf16"), ("row_local", "bf16")]
+COMPILED_AT_4 = {"plain_tp"}
+EAGER = {"codegen": False}
+
+
 @pytest.mark.parametrize("program,dtype", CASES)
 def test_matches_eager(ranks, program, dtype):
-    results = ranks.run(check_against_eager, program, dtype)
+    check_results(ranks, program, dtype, EAGER)
+
+
+@pytest.mark.parametrize("program,dtype", COMPILED)
+def test_compiled_matches_eager(ranks, program, dtype):
+    """The same, the rewritten graphs compiled by Inductor (kernels, pinned order, buffers)."""
+    if ranks.world_size != 2 and program not in COMPILED_AT_4:
+        pytest.skip("compiled at 2 ranks (suite time); run op by op at 4 in test_matches_eager")
+    check_results(ranks, program, dtype, {})
+
+
+def check_results(ranks, program: str, dtype: str, options: dict) -> None:
+    results = ranks.run(check_against_eager, program, dtype, options)
     for rank, result in enumerate(results):
         assert [s[:3] for s in result["sites"]] == EXPECTED_SITES[program], result["sites"]
         fused = {site[:2]: record["fused"] for site, record in zip(result["sites"], result["records"])}
@@ -121,7 +146,7 @@ def test_matches_eager(ranks, program, dtype):
 def test_dynamic_shapes_stay_correct(ranks):
     """dynamic=True: sizes are symbolic, chunks cannot be cut statically — left alone, with the
     reason, and the results still equal eager."""
-    for result in ranks.run(check_against_eager, "leading_dims", "fp32", None, True):
+    for result in ranks.run(check_against_eager, "leading_dims", "fp32", EAGER, True):
         assert all(row["close"] for row in result["diffs"] + result["repeat_diffs"]), result["diffs"]
         assert result["sites"] and all(action == "skipped" and "symbolic" in reason for *_, action, reason in result["sites"]), result["sites"]
 
@@ -129,15 +154,18 @@ def test_dynamic_shapes_stay_correct(ranks):
 @pytest.mark.parametrize(
     "program, dtype, options",
     [
-        ("sequence_parallel", "bf16", {"schedule": "bidirectional"}),
-        ("attention", "fp32", {"chunks_per_rank": 2}),
-        ("spmd_layout", "fp32", {"schedule": "slicing", "chunks_per_rank": 2}),
+        ("sequence_parallel", "bf16", {"schedule": "bidirectional"}),  # compiled: symbolic sizes in the kernels
+        ("attention", "fp32", {"chunks_per_rank": 2, **EAGER}),
+        ("spmd_layout", "fp32", {"schedule": "slicing", "chunks_per_rank": 2, **EAGER}),
     ],
 )
 def test_dynamic_batch_is_rewritten(ranks, program, dtype, options):
     """``dynamic=None`` (torch.compile's default): the second batch size recompiles with the
     batch symbolic. The cut dim (the sequence) is static, so every site is rewritten again, and
-    that one graph serves a third batch size; all three equal eager."""
+    that one graph serves a third batch size; all three equal eager. The compiled case is
+    compiled at 2 ranks and runs op by op at 4 (suite time)."""
+    if ranks.world_size != 2:
+        options = {**options, **EAGER}
     for calls in ranks.run(check_batch_sizes, program, dtype, options, [2, 3, 5]):
         static, dynamic, reused = calls
         for call in calls:
@@ -166,7 +194,10 @@ def test_generated_code_runs_start_mm_wait(ranks):
 
 def test_without_pinning_inductor_moves_waits_up(ranks):
     """Why ``pin_order`` exists: left alone, Inductor's peak-memory reordering waits on some
-    transfers before the matmul they were meant to overlap (this guards the test above too)."""
+    transfers before the matmul they were meant to overlap (this guards the test above too).
+    Seen at 2 ranks; at 4 Inductor happens to keep this program's order unpinned."""
+    if ranks.world_size != 2:
+        pytest.skip("Inductor moves a wait up in this program at 2 ranks; at 4 it happens not to")
     codes = ranks.run(generated_code, "leading_dims", {"pin_order": False})[0]
     assert any(mms == 0 for code in codes for _, mms, _ in ring_events(code))
 
@@ -198,22 +229,9 @@ SCHEDULE_CASES = [
 ]
 
 
-OUTLINED_CASES = [("canonical", "fp32"), ("row_local", "bf16"), ("plain_tp", "fp32"), ("ulysses", "fp32")]
-
-
-@pytest.mark.parametrize("program,dtype", OUTLINED_CASES)
-def test_outlined_matches_eager(ranks, program, dtype):
-    """outline=True: each step one call of a shared compiled body; the same sites, exact."""
-    for rank, result in enumerate(ranks.run(check_against_eager, program, dtype, {"outline": True})):
-        assert [s[:3] for s in result["sites"]] == EXPECTED_SITES[program], result["sites"]
-        for row in result["diffs"] + result["repeat_diffs"]:
-            assert row["close"], f"rank {rank} {row} exceeds {TOLERANCES[DTYPES[dtype]]}"
-        assert any("steps outlined" in note for note in result["notes"]), result["notes"]
-
-
 @pytest.mark.parametrize("program,dtype,schedule,m,fusion", SCHEDULE_CASES, ids=lambda v: str(v))
 def test_schedule_matches_eager(ranks, program, dtype, schedule, m, fusion):
-    options = {"schedule": schedule, "chunks_per_rank": m, "fusion": fusion}
+    options = {"schedule": schedule, "chunks_per_rank": m, "fusion": fusion, **EAGER}
     for rank, result in enumerate(ranks.run(check_against_eager, program, dtype, options)):
         sites = result["sites"]
         assert [s[:3] for s in sites] == EXPECTED_SITES[program], sites

@@ -6,6 +6,9 @@
 - ``mode=...`` is accepted as torch.compile passes it; each mode that runs on CPU equals eager.
 - Two runs with other group layouts share one Inductor cache and are both correct (the cache
   key covers the group rank and members the rings are built for).
+
+The fixed schedules and the option checks run their rewritten graphs op by op
+(``codegen=False``); ``auto``, the modes and the shared cache are compiled by Inductor.
 """
 
 from __future__ import annotations
@@ -129,13 +132,18 @@ def _assert_close(results):
             assert row["max_abs_diff"] <= ATOL + RTOL * row["max_abs"], f"rank {rank} {row} exceeds atol = rtol = {ATOL} per tensor"
 
 
-@pytest.mark.parametrize("options", [{}, {"schedule": "ring"}, {"schedule": "bidirectional"}, {"schedule": "slicing"}], ids=lambda o: o.get("schedule", "auto"))
+EAGER = {"codegen": False}
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"schedule": "ring", **EAGER}, {"schedule": "bidirectional", **EAGER}, {"schedule": "slicing", **EAGER}], ids=lambda o: o.get("schedule", "auto")
+)
 def test_uneven_shards_plan_alike_and_equal_eager(two_ranks, options):
     results = two_ranks.run(uneven_against_eager, options)
     assert [r["ffn"] for r in results] == [77, 76]
     assert results[0]["plans"] == results[1]["plans"]
     rewritten = [p for p in results[0]["plans"] if p[2] != "skip"]
-    if options:
+    if "schedule" in options:
         assert len(rewritten) == 4 and {p[2] for p in rewritten} == {options["schedule"]}, results[0]["plans"]
     else:  # auto rewrites here (the shapes where per-rank plans split bidirectional / ring)
         assert rewritten, results[0]["plans"]
@@ -145,14 +153,14 @@ def test_uneven_shards_plan_alike_and_equal_eager(two_ranks, options):
 @pytest.mark.parametrize(
     "rank1, mismatch",
     [
-        ({"schedule": "bidirectional"}, "'schedule' is 'ring' on rank 0, 'bidirectional' on rank 1"),
-        ({"schedule": "off"}, "'schedule' is 'ring' on rank 0, 'off' on rank 1"),
-        ({"schedule": "ring", "chunks_per_rank": 2}, "'chunks_per_rank' is None on rank 0, 2 on rank 1"),
+        ({"schedule": "bidirectional", **EAGER}, "'schedule' is 'ring' on rank 0, 'bidirectional' on rank 1"),
+        ({"schedule": "off", **EAGER}, "'schedule' is 'ring' on rank 0, 'off' on rank 1"),
+        ({"schedule": "ring", "chunks_per_rank": 2, **EAGER}, "'chunks_per_rank' is None on rank 0, 2 on rank 1"),
     ],
     ids=["bidirectional", "off", "m=2"],
 )
 def test_options_that_differ_between_ranks_fail_clearly(two_ranks, rank1, mismatch):
-    results = two_ranks.run(per_rank_options, [{"schedule": "ring"}, rank1])
+    results = two_ranks.run(per_rank_options, [{"schedule": "ring", **EAGER}, rank1])
     for result in results:
         assert result["error"] is not None, "the ranks ran plans that cannot match"
         assert "planned the forward graph differently" in result["error"] and mismatch in result["error"], result["error"]
@@ -160,7 +168,7 @@ def test_options_that_differ_between_ranks_fail_clearly(two_ranks, rank1, mismat
 
 
 def test_options_that_do_not_change_the_plan_only_warn(two_ranks):
-    results = two_ranks.run(per_rank_options, [{"schedule": "ring", "strict": True}, {"schedule": "ring"}])
+    results = two_ranks.run(per_rank_options, [{"schedule": "ring", "strict": True, **EAGER}, {"schedule": "ring", **EAGER}])
     for result in results:
         assert result["error"] is None
         assert any("'strict' is True on rank 0, False on rank 1" in w for w in result["warnings"]), result["warnings"]

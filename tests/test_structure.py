@@ -202,7 +202,7 @@ def test_every_rank_waits_in_one_order(mlp_graphs, kind, schedule, m):
     for rank in (0, 3, 6):
         graph, sites, _ = rewrite_as(mlp_graphs[kind], rank, kind, schedule=schedule, chunks_per_rank=m)
         assert [s.decision for s in sites] == ["rewrite"] * len(sites)
-        waits = [n for n in graph.nodes if n.name.startswith("wait_tensor")]
+        waits = [n for n in graph.nodes if n.name.startswith(("wait_tensor", "wait_exchange"))]
         assert len(waits) > len(sites)
         for before, after in zip(waits, waits[1:]):
             assert "control_deps" in str(after.target) and before in after.args[0], (after, after.args[0])

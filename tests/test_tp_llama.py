@@ -3,8 +3,9 @@ compiled with commfuse and eagerly (DTensor), at world sizes 2 and 4 and on a 2-
 
 Every schedule at tp = 2 and tp = 4 (slicing with 2 slices), fusion on (the default): the
 SwiGLU after the w1/w3 gather and its gradient after the backward gather run inside the ring
-steps, and attention is split by query rows before the wo reduce-scatter. Each compile costs
-25-60 s here: the 2-D mesh (dp 2 × tp 2, batch 1) runs the one-way ring only (m = 2)."""
+steps, and attention is split by query rows before the wo reduce-scatter. The ring is compiled
+by Inductor at tp = 2 (a compile takes a minute here) and run op by op at tp = 4; the other schedules and the 2-D mesh (dp 2 × tp 2, batch
+1, the one-way ring with m = 2) run their rewritten graphs op by op (``codegen=False``)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def check(result: dict, tp_size: int, tol: float = TOL) -> None:
     assert not bad, bad
 
 
-SCHEDULES = [{"schedule": "ring"}, {"schedule": "bidirectional"}, {"schedule": "slicing", "chunks_per_rank": 2}]
+SCHEDULES = [{"schedule": "ring"}, {"schedule": "bidirectional", "codegen": False}, {"schedule": "slicing", "chunks_per_rank": 2, "codegen": False}]
 # (graph, pattern) -> an op that site's steps must compute (the fused region)
 FUSED = {
     ("forward", "matmul_reduce_scatter"): "_scaled_dot_product_flash_attention_for_cpu",  # query-split attention
@@ -48,6 +49,8 @@ FUSED = {
 
 @pytest.mark.parametrize("options", SCHEDULES, ids=lambda o: o["schedule"])
 def test_llama_block_trains_like_eager(ranks, options):
+    if ranks.world_size != 2:
+        options = {**options, "codegen": False}  # compiled at tp = 2 (suite time)
     results = ranks.run(train_llama_block, STEPS, (ranks.world_size,), options)
     for result in results:
         check(result, ranks.world_size)
@@ -65,7 +68,7 @@ def test_llama_block_on_a_2d_mesh(ranks):
         pytest.skip("a 2 × 2 mesh needs world size 4")
     # batch 1: DTensor's view form of the sequence gather; m = 2 cuts each [1, S/2, H] shard
     # into blocks of rows
-    options = {"schedule": "ring", "chunks_per_rank": 2}
+    options = {"schedule": "ring", "chunks_per_rank": 2, "codegen": False}
     results = ranks.run(train_llama_block, STEPS, (2, 2), options, 1)
     tp_groups = set()
     for result in results:
