@@ -96,10 +96,13 @@ def _compute_pointwise_on_pieces(graph: fx.Graph, pieces: list[fx.Node], replace
         if piece._erased:
             continue
         whole = piece.args[0]
-        cuts = _pointwise_cuts(whole, piece.args[1])
-        if cuts is None or not all(user.target is PIECE for user in whole.users):
+        if not all(user.target is PIECE for user in whole.users):
             continue
-        for user in list(whole.users):
+        # (each reader's own cut: two pieces of one tensor may be cut along different dims)
+        cuts_of = {user: _pointwise_cuts(whole, user.args[1]) for user in whole.users}
+        if any(cuts is None for cuts in cuts_of.values()):
+            continue
+        for user, cuts in cuts_of.items():
             _, _, start, end = user.args
             with graph.inserting_before(user):
                 args = [_piece(graph, arg, dim, start, end) if dim is not None else arg for arg, dim in zip(whole.args, cuts)]
