@@ -42,6 +42,10 @@ def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=0, help="the rank to explain (default 0)")
     parser.add_argument("--options", default="{}", help='backend options as JSON, e.g. \'{"schedule": "ring"}\'')
     parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: plan the graphs a GPU compile would build, on fake tensors (no GPU needed; parameters may be on meta)",
+    )
     parser.add_argument("--dot", metavar="PATH", help="write the first rewritten match's region as DOT")
     parser.add_argument("--trace", metavar="PATH", help="write the modelled timelines as a Chrome trace (JSON)")
 
@@ -59,7 +63,7 @@ def run_explain(args: argparse.Namespace) -> int:
         raise SystemExit(f"explain: {args.file} has no function {args.function!r}")
     with fake_world(args.world_size, args.rank):
         model, inputs = build(args.world_size)
-        report = explain(model, *inputs, options=json.loads(args.options), backward=not args.no_backward)
+        report = explain(model, *inputs, options=json.loads(args.options), backward=not args.no_backward, device=args.device)
     print(report.summary())
     if args.dot:
         print(f"wrote {report.to_dot(args.dot)}")

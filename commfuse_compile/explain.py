@@ -53,7 +53,8 @@ def explain(
     *example_inputs: Any,
     options: Mapping[str, Any] | None = None,
     backward: bool = True,
-    codegen: bool = True,
+    codegen: bool | None = None,
+    device: str = "cpu",
 ) -> Report:
     """Compile ``model_or_fn`` on ``example_inputs`` as ``backend="commfuse"`` would, forward
     and (if ``backward`` and an output needs grad) backward, and return what the pass did:
@@ -67,6 +68,13 @@ def explain(
     commfuse pass is the last of them), so the records and rewritten graphs are the same but
     no kernel is generated: seconds instead of a minute for a model, and the model runs
     eagerly (its unrewritten graphs) to reach the backward.
+
+    ``device="cuda"`` plans a GPU compile on a machine without one (a CPU-only torch will do):
+    parameters and inputs may be given on the ``meta`` or CPU device (DTensors over a ``"cpu"``
+    mesh); they are replaced by fake tensors, attention goes to the kernel the CUDA dispatcher
+    would pick, and the forward and backward graphs are moved to ``cuda:0`` before Inductor's
+    post-grad passes and the commfuse pass run on them (see :mod:`.cuda_plan`). Nothing is
+    allocated or executed; no code is generated (``codegen`` must not be True).
     """
     from torch._inductor import config as inductor_config
 
@@ -79,16 +87,54 @@ def explain(
             "`with commfuse_compile.fake_world(world_size):`"
         )
     CommfuseOptions.from_user(options)  # bad options fail here, naming the option
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"explain: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and codegen:
+        raise ValueError("explain(device='cuda') generates no code (no GPU, no Triton here): leave codegen unset or False")
     torch._dynamo.reset()
     seen = len(reports())
-    backend = functools.partial(commfuse, options=options, _inner_compile=None if codegen else _post_grad_only)
     with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        outputs = torch.compile(model_or_fn, backend=backend)(*example_inputs)
-        grads = [o for o in _tensors(outputs) if o.requires_grad]
-        if backward and grads:
-            sum(o.float().sum() for o in grads).backward()
+        if device == "cuda":
+            _explain_on_cuda(model_or_fn, example_inputs, options, backward)
+        else:
+            backend = functools.partial(commfuse, options=options, _inner_compile=None if codegen in (None, True) else _post_grad_only)
+            outputs = torch.compile(model_or_fn, backend=backend)(*example_inputs)
+            grads = [o for o in _tensors(outputs) if o.requires_grad]
+            if backward and grads:
+                sum(o.float().sum() for o in grads).backward()
     torch._dynamo.reset()
     return merge_reports(reports()[seen:])
+
+
+def _explain_on_cuda(model_or_fn: Callable[..., Any], example_inputs: tuple, options: Mapping[str, Any] | None, backward: bool) -> None:
+    """Compile forward and (``backward``) backward for ``cuda:0`` on fake tensors: the
+    backward is compiled with the forward, so nothing runs backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from .backend import commfuse
+    from .cuda_plan import attention_as_on_cuda, fake_cpu, post_grad_on_cuda, route_attention
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # (constants Inductor folds are real)
+    inputs = [fake_cpu(x, mode) for x in example_inputs]
+    if not backward:
+        inputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]
+    inner = post_grad_on_cuda(run_post_grad_passes)
+
+    def backend(gm: torch.fx.GraphModule, dynamo_inputs: Any) -> Callable[..., Any]:
+        route_attention(gm)
+        return commfuse(gm, dynamo_inputs, options=options, _inner_compile=inner)
+
+    module = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
+    state = {}
+    if module is not None:
+        state = {n: fake_cpu(t, mode) for n, t in (*module.named_parameters(), *module.named_buffers())}
+        if not backward:
+            state = {n: t.detach() if isinstance(t, torch.Tensor) else t for n, t in state.items()}
+    context = _reparametrize_module(module, state) if module is not None else contextlib.nullcontext()
+    grad = contextlib.nullcontext() if backward else torch.no_grad()
+    with context, attention_as_on_cuda(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True), grad:
+        torch.compile(model_or_fn, backend=backend)(*inputs)
 
 
 def _post_grad_only(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable[..., Any]:

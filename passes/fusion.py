@@ -35,7 +35,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from .attention import SDPA
+from .attention import is_attention
 from .chunks import join, rows_of_pieces
 from .graph_utils import ADDMM, RESHAPES, SCALED_MM, Emitter, aten, fake, left_operand, right_operand, same_shape
 from .pieces import Pieces
@@ -48,7 +48,7 @@ def _record(site: Site, region: Region | None) -> Pieces | None:
     if region is None:
         return None
     site.fused += region.computed
-    attention = " (query-split attention)" if any(n.target is SDPA and a == 2 for n, a in region.axis.items()) else ""
+    attention = " (query-split attention)" if any(is_attention(n) and a == 2 for n, a in region.axis.items()) else ""
     site.notes.append(f"fused into the steps{attention}: {region.describe()}")
     return Pieces(region)
 

@@ -6,7 +6,7 @@ import operator
 
 import torch.fx as fx
 
-from .attention import SDPA, query_split
+from .attention import LOGSUMEXP, OUT, Merged, assembled_logsumexp, is_attention, query_split
 from .graph_utils import RESHAPES, Emitter, aten, fake
 from .regions import Region
 from .rowlocal import input_axes
@@ -23,7 +23,7 @@ class Pieces:
     def give(self, node: fx.Node, q: int, value: fx.Node) -> None:
         self.values[node, q] = value
 
-    def value(self, emit: Emitter, node: fx.Node, q: int) -> fx.Node | tuple[fx.Node, fx.Node]:
+    def value(self, emit: Emitter, node: fx.Node, q: int) -> fx.Node | Merged:
         if (node, q) not in self.values:
             self.values[node, q] = self._emit(emit, node, q)
         return self.values[node, q]
@@ -38,10 +38,19 @@ class Pieces:
         """Replace each region value read outside the region by its pieces, concatenated."""
         for node in self.region.computed:
             readers = self.region.outside_users(node)
-            if readers and node.target is not SDPA:
-                parts = [self.value(emit, node, q) for q in range(self.region.count)]
-                whole = emit(aten.cat.default, parts, self.region.axis[node])
+            if readers and not is_attention(node):
+                whole = self._whole(emit, node)
                 node.replace_all_uses_with(whole, delete_user_cb=lambda user: user in readers)
+
+    def _whole(self, emit: Emitter, node: fx.Node) -> fx.Node:
+        parts = [self.value(emit, node, q) for q in range(self.region.count)]
+        axis = self.region.axis[node]
+        if node.target is operator.getitem and is_attention(node.args[0]):
+            if node.args[1] == LOGSUMEXP:
+                return assembled_logsumexp(emit, node, parts, axis)
+            if node.args[1] != OUT:  # per call (RNG state, sizes): no dropout here, any piece's will do
+                return parts[0]
+        return emit(aten.cat.default, parts, axis)
 
     def piece(self, emit: Emitter, node: fx.Node, axis: int, q: int) -> fx.Node:
         """Piece q of ``node``: computed if it is in the region, else sliced along ``axis``."""
@@ -66,8 +75,8 @@ class Pieces:
             shape[along] //= self.region.count
             # (a piece may be a non-contiguous slice: reshape, not view)
             return emit(aten.expand.default if node.target is aten.expand.default else aten.reshape.default, args[0], shape)
-        if node.target is SDPA and along == 2:
+        if is_attention(node) and along == 2:
             return query_split(emit, node, args, kwargs, q, self.region.count)
-        if node.target is operator.getitem and isinstance(args[0], tuple):  # a merged query split's (out, lse)
-            return args[0][args[1]]
+        if node.target is operator.getitem and isinstance(args[0], Merged):  # a merged query split's outputs
+            return args[0].output(emit, args[1])
         return emit(node.target, *args, **kwargs)

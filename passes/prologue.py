@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .attention import SDPA
+from .attention import ATTENTION
 from .graph_utils import MATMULS, depends_on, fake, same_shape
 from .regions import Region, forward_region
 from .rowlocal import VIEWS
 from .site import Consumer, Site
 
-_STOP = frozenset({*MATMULS, SDPA})
+_STOP = frozenset({*MATMULS, *ATTENTION})
 
 
 def prologue_region(site: Site, count: int, reserved: set[fx.Node]) -> Region | None:

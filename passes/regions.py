@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch.fx as fx
 
-from .attention import SDPA
+from .attention import attention_refusal, is_attention
 from .graph_utils import WAIT
 from .rowlocal import VIEWS, axes_of, input_axes
 from .site import Site
@@ -90,14 +90,17 @@ def backward_region(
                 return None
             continue
         cut = input_axes(node, along, count) if node.op == "call_function" and node not in reserved else None
+        if cut is None and is_attention(node) and node not in reserved:
+            note = f"not fused: {node.name} is computed whole ({attention_refusal(node, along)})"
+            notes += [note] if note not in notes else []
         if cut is None:
             continue  # a leaf: sliced
         axis[node] = along
         stack += [(i, a) for i, a in cut.items() if a is not None]
-        if node.target is SDPA:  # both outputs are computed per piece
+        if is_attention(node):  # its outputs are computed per piece
             stack += [(u, along) for u in node.users]
     region = _trimmed(Region(axis, count), downstream=False) if axis else None
-    if region is None or any(u.target is not operator.getitem for n in region.axis if n.target is SDPA for u in n.users):
+    if region is None or any(u.target is not operator.getitem for n in region.axis if is_attention(n) for u in n.users):
         return None
     outside = {i for n in region.axis for i in n.all_input_nodes if i not in region.axis} | set(read_whole)
     if cycle := set(region.axis) & _ancestors(outside):

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .attention import SDPA, attention_axes
+from .attention import ATTENTION, attention_axes, is_attention
 from .graph_utils import ADDMM, MM, RESHAPES, aten, divides, fake, same_size
 
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
@@ -43,6 +43,8 @@ def input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None
 
 
 def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None] | None:
+    if node.target is operator.getitem and is_attention(node.args[0]):  # (also its per-call outputs)
+        return {node.args[0]: axis}
     out = fake(node)
     if isinstance(out, torch.Tensor) and (axis >= out.dim() or not isinstance(out.shape[axis], int) or out.shape[axis] % count):
         return None
@@ -67,10 +69,8 @@ def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | Non
         return _single(inputs[0], _reduced_input_axis(node, axis))
     if target in (MM, ADDMM):
         return _matmul_axes(node, axis)
-    if target is SDPA:
+    if target in ATTENTION:
         return attention_axes(node, axis)
-    if target is operator.getitem and inputs and inputs[0].target is SDPA:
-        return {inputs[0]: axis}
     if isinstance(target, torch._ops.OpOverload) and _pointwise(target) and isinstance(out, torch.Tensor):
         return _broadcast_axes(out.shape, inputs, axis)
     return None

@@ -158,10 +158,13 @@ def flash_rs_order(graph: fx.Graph, site) -> list[int]:
 def attention_calls(nodes) -> list[tuple[int, int, int, bool]]:
     """For each attention node: (query rows, first key, end of keys, causal), the keys read off
     the slice it is given (or all of them), sorted; a mask is an error here (none is expected)."""
+    from commfuse_compile.passes.attention import arguments, mask_name
+
     calls = []
     for node in nodes:
-        assert node.kwargs.get("attn_mask") is None, f"{node.name} has a mask"
-        key, causal = node.args[1], node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+        named = arguments(node.target, node.args, node.kwargs)
+        assert named.get(mask_name(node.target) or "") is None, f"{node.name} has a mask"
+        key, causal = named["key"], named["is_causal"]
         begin, end = (key.args[2], key.args[3]) if is_cut(key) else (0, key.meta["val"].shape[2])
         calls.append((node.args[0].meta["val"].shape[2], begin, end, bool(causal)))
     return sorted(calls)

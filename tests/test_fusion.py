@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import fake_world
 from graphs import attention_calls, post_grad_graphs, query_split_calls, rewrite_as, unpinned
 
-from commfuse_compile.passes.attention import SDPA
+from commfuse_compile.passes.attention import CPU_FLASH
 from commfuse_compile.passes.rowlocal import reshape_axis
 from commfuse_compile.passes.graph_utils import MATMULS, MM, fake
 
@@ -130,7 +130,7 @@ def test_query_split_attention_before_flash_rs(attention_graphs, schedule, m):
         assert (ag.decision, rs.decision) == ("rewrite", "rewrite"), (ag.reason, rs.reason)
         assert not ag.fused  # only views between the q/k/v matmuls and attention: nothing to gain
         assert any("query-split attention" in note for note in rs.notes), rs.notes
-        attentions = [n for n in graph.nodes if n.target is SDPA]
+        attentions = [n for n in graph.nodes if n.target is CPU_FLASH]
         # per piece of query rows: its diagonal block causal, the keys before it in full, no mask
         assert attention_calls(attentions) == query_split_calls(length, range(count))
 
