@@ -25,11 +25,19 @@ on a transfer before comparing plans, while its peer compares first, would wait 
 and a collective started before the comparison (itself a collective) would be matched with it.
 Ring starts may come first: a point-to-point send does not block, nor match a collective.
 
+A matmul the graph runs just before a ring's first transfer, needed by neither that transfer
+nor the ring (a weight gradient, in backward graphs), would run with nothing in flight: Inductor
+orders what we do not pin, and the pieces' kernels changed its choice (a few % of a step on
+shaped gloo). Such matmuls are pinned after the ring's first start and before its last wait, so
+they overlap its transfers (:func:`_fill_first_windows`).
+
 All of it goes through Inductor's ``preserve_node_ordering`` (a ``control_deps``
 higher-order op that the scheduler honours).
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 import torch.fx as fx
@@ -38,7 +46,7 @@ from torch.utils._ordered_set import OrderedSet
 from commfuse_compile._compat import preserve_node_ordering
 from commfuse_compile.p2p import WAIT_EXCHANGE
 
-from .graph_utils import WAIT, ring_exchange_op
+from .graph_utils import MATMULS, WAIT, ring_exchange_op
 from .site import Site
 
 
@@ -54,6 +62,7 @@ def pin_ring_order(graph: fx.Graph, sites: list[Site], checks: list[fx.Node]) ->
         starts = [n for n in graph.nodes if n.target is ring_exchange_op() or _is_collective(n)]
         for before, after in zip(starts, starts[1:]):
             deps.setdefault(after, OrderedSet()).add(before)
+        _fill_first_windows(graph, sites, deps)
     preserve_node_ordering(graph, deps)
     _follow_replacements(graph, sites)
 
@@ -84,3 +93,42 @@ def _ring_deps(sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, Orde
     if any(site.steps for site in sites):
         for before, after in zip(waits, waits[1:]):
             deps.setdefault(after, OrderedSet()).add(before)
+
+
+def _fill_first_windows(graph: fx.Graph, sites: list[Site], deps: dict[fx.Node, OrderedSet[fx.Node]]) -> None:
+    """Pin every matmul between a ring's first start and the wait before it (in graph order)
+    that neither the start nor any ring needs: after that start, before the ring's last wait.
+
+    The pinned order stays acyclic: a matmul the start needs (through data or pins, those added
+    here for an earlier site included) stays where it is, and no pin added here points back
+    across a wait (the matmul and the start lie between the same two waits; the ring's last
+    wait comes after both)."""
+    ring_nodes = {node for site in sites for step in site.steps for node in [step.start, step.wait, *step.compute]}
+    nodes = list(graph.nodes)  # (one walk for all sites: the pass stays linear in them)
+    position = {node: i for i, node in enumerate(nodes)}
+    waits = [i for i, node in enumerate(nodes) if node.target is WAIT or node.target is WAIT_EXCHANGE]
+    for site in sites:
+        pinned = [step for step in site.steps if step.start is not None]
+        if not pinned:
+            continue
+        first, last_wait = pinned[0].start, pinned[-1].wait
+        before = bisect.bisect_left(waits, position[first])
+        floor = waits[before - 1] if before else -1
+        needed = _ancestors(first, deps, lambda node: position[node] > floor)
+        for node in nodes[floor + 1 : position[first]]:
+            if node.target in MATMULS and node not in needed and node not in ring_nodes:
+                deps.setdefault(node, OrderedSet()).add(first)
+                deps.setdefault(last_wait, OrderedSet()).add(node)
+
+
+def _ancestors(node: fx.Node, deps: dict[fx.Node, OrderedSet[fx.Node]], within) -> set[fx.Node]:
+    """The nodes ``node`` needs, through its inputs and its pins, as far as ``within`` holds."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        for before in [*current.all_input_nodes, *deps.get(current, ())]:
+            if before not in seen and within(before):
+                seen.add(before)
+                todo.append(before)
+    return seen

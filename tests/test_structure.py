@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
-from graphs import attention_calls, exchange_args, flash_ag_order, flash_rs_order, post_grad_graphs, query_split_calls, rewrite_as, ring_exchanges, sliced_chunk_order, unpinned
+from graphs import CONTROL_DEPS, attention_calls, exchange_args, flash_ag_order, flash_rs_order, post_grad_graphs, query_split_calls, rewrite_as, ring_exchanges, sliced_chunk_order, unpinned
 
 import commfuse_compile
+from commfuse_compile.p2p import WAIT_EXCHANGE
+from commfuse_compile.passes.graph_utils import MATMULS, WAIT
 
 WORLD = 8
 
@@ -208,6 +210,43 @@ def test_every_rank_waits_in_one_order(mlp_graphs, kind, schedule, m):
             assert "control_deps" in str(after.target) and before in after.args[0], (after, after.args[0])
         chains.append([n.name for n in waits])
     assert chains[0] == chains[1] == chains[2]
+
+
+def idle_matmuls(graph, sites) -> list[str]:
+    """Matmuls that run between a ring's first start and the wait before it although neither
+    that start nor a ring needs them: with nothing in flight while they run."""
+    nodes = list(graph.nodes)
+    ring = {n for site in sites for step in site.steps for n in (step.start, step.wait, *step.compute)}
+    idle = []
+    for site in sites:
+        first = next(step.start for step in site.steps if step.start is not None)
+        end = nodes.index(first)
+        floor = max((i for i in range(end) if unpinned(nodes[i])[0] in (WAIT, WAIT_EXCHANGE)), default=-1)
+        needed, todo = set(), [first]
+        while todo:  # (pins are inputs of the pinned node: all_input_nodes follows them too)
+            for before in todo.pop().all_input_nodes:
+                if before not in needed:
+                    needed.add(before)
+                    todo.append(before)
+        idle += [n.name for n in nodes[floor + 1 : end] if unpinned(n)[0] in MATMULS and n not in needed | ring]
+    return idle
+
+
+@pytest.mark.parametrize("schedule, m", [("ring", 1), ("ring", 2), ("bidirectional", 1), ("slicing", 2)])
+def test_free_matmuls_run_while_a_ring_transfers(mlp_graphs, schedule, m):
+    """In backward, W1's weight gradient (AG(x)ᵀ @ dh) is needed by neither ring. Unpinned,
+    it ran just before the reduce-scatter ring's first transfer, with nothing in flight; it is
+    pinned after that start and before the ring's last wait, on every rank."""
+    for rank in (0, 5):
+        graph, sites, _ = rewrite_as(mlp_graphs["backward"], rank, "backward", schedule=schedule, chunks_per_rank=m)
+        assert idle_matmuls(graph, sites) == []
+        rs = sites[1]
+        pinned = [step for step in rs.steps if step.start is not None]
+        first, last_wait = pinned[0].start, pinned[-1].wait
+        ring = {n for site in sites for step in site.steps for n in step.compute}
+        filled = [n for n in graph.nodes if unpinned(n)[0] in MATMULS and n not in ring and n.target is CONTROL_DEPS and first in n.args[0]]
+        assert len(filled) == 1, filled  # W1's weight gradient
+        assert filled[0] in last_wait.args[0]
 
 
 def test_same_plan_on_every_rank(mlp_graphs):
