@@ -62,7 +62,7 @@ def pin_ring_order(graph: fx.Graph, sites: list[Site], checks: list[fx.Node]) ->
         starts = [n for n in graph.nodes if n.target is ring_exchange_op() or _is_collective(n)]
         for before, after in zip(starts, starts[1:]):
             deps.setdefault(after, OrderedSet()).add(before)
-        _fill_first_windows(graph, sites, deps)
+        _fill_first_windows(graph, sites, waits, deps)
     preserve_node_ordering(graph, deps)
     _follow_replacements(graph, sites)
 
@@ -95,7 +95,7 @@ def _ring_deps(sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, Orde
             deps.setdefault(after, OrderedSet()).add(before)
 
 
-def _fill_first_windows(graph: fx.Graph, sites: list[Site], deps: dict[fx.Node, OrderedSet[fx.Node]]) -> None:
+def _fill_first_windows(graph: fx.Graph, sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, OrderedSet[fx.Node]]) -> None:
     """Pin every matmul between a ring's first start and the wait before it (in graph order)
     that neither the start nor any ring needs: after that start, before the ring's last wait.
 
@@ -106,14 +106,14 @@ def _fill_first_windows(graph: fx.Graph, sites: list[Site], deps: dict[fx.Node, 
     ring_nodes = {node for site in sites for step in site.steps for node in [step.start, step.wait, *step.compute]}
     nodes = list(graph.nodes)  # (one walk for all sites: the pass stays linear in them)
     position = {node: i for i, node in enumerate(nodes)}
-    waits = [i for i, node in enumerate(nodes) if node.target is WAIT or node.target is WAIT_EXCHANGE]
+    wait_positions = [position[wait] for wait in waits]  # (in graph order, as ``waits`` is)
     for site in sites:
         pinned = [step for step in site.steps if step.start is not None]
         if not pinned:
             continue
         first, last_wait = pinned[0].start, pinned[-1].wait
-        before = bisect.bisect_left(waits, position[first])
-        floor = waits[before - 1] if before else -1
+        before = bisect.bisect_left(wait_positions, position[first])
+        floor = wait_positions[before - 1] if before else -1
         needed = _ancestors(first, deps, lambda node: position[node] > floor)
         for node in nodes[floor + 1 : position[first]]:
             if node.target in MATMULS and node not in needed and node not in ring_nodes:
