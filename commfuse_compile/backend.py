@@ -47,6 +47,8 @@ class CommfusePass(CustomInferenceAwareGraphPass):
     def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
         from commfuse_compile.passes import graph_kind, run_pipeline
 
+        from .explain import PostGradDone, stops_here
+
         kind = graph_kind(graph, is_inference)
         self.report.graph_kinds.append(kind)
         started = time.perf_counter()
@@ -64,6 +66,8 @@ class CommfusePass(CustomInferenceAwareGraphPass):
             self.report.errors.append(message)
         finally:
             self.report.pass_seconds += time.perf_counter() - started
+        if stops_here(graph):  # (op by op: nothing after this pass is needed)
+            raise PostGradDone
 
     def uuid(self) -> str:
         key = f"{self.options.cache_key()};{group_layout()};torch={torch.__version__}"

@@ -15,6 +15,7 @@ DTensor plans, functional collectives — can be built for 8 ranks on a laptop;
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -158,15 +159,41 @@ def run_rewritten(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) 
     return make_boxed_func(gm.forward)
 
 
+class PostGradDone(Exception):
+    """Raised by the commfuse pass when it has run on the graph :func:`run_post_grad_passes`
+    stops after (see :func:`stops_here`)."""
+
+
+_STOP_AFTER: contextvars.ContextVar[torch.fx.Graph | None] = contextvars.ContextVar("commfuse_stop_after", default=None)
+
+
+def stops_here(graph: torch.fx.Graph) -> bool:
+    """Whether the post-grad passes end with the commfuse pass on ``graph``."""
+    return _STOP_AFTER.get() is graph
+
+
 def run_post_grad_passes(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> None:
-    """What ``fx_codegen_and_compile`` does to ``gm`` before lowering it, in place."""
+    """What ``fx_codegen_and_compile`` does to ``gm`` before lowering it, in place, up to and
+    including the commfuse pass (a custom post pass of another kind: all of them).
+
+    Inductor's passes after the custom post pass prepare code generation: they refresh every
+    changed node's fake tensor (the commfuse pass already set them, so this would compute every
+    rewritten node's value a second time), sort again and turn functional ops into in-place
+    ones. None of them changes what the graph computes, and a graph run op by op needs none of
+    them: skipping them is most of the post-grad time of a rewritten graph."""
     from ._compat import fake_tensor_prop, post_grad_passes_of, view_to_reshape, virtualized
 
     view_to_reshape(gm)
     with torch.no_grad():
         fake_mode = fake_tensor_prop(gm, example_inputs)
-    with virtualized.V.set_fake_mode(fake_mode):
-        post_grad_passes_of(gm, is_inference=is_inference)
+    stop = _STOP_AFTER.set(gm.graph)
+    try:
+        with virtualized.V.set_fake_mode(fake_mode):
+            post_grad_passes_of(gm, is_inference=is_inference)
+    except PostGradDone:
+        pass
+    finally:
+        _STOP_AFTER.reset(stop)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

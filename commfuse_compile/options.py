@@ -51,8 +51,9 @@ class CommfuseOptions:
             which keeps results exact but removes the overlap.
         codegen: hand the rewritten graphs to Inductor's code generation. Off: they run op by
             op on ATen, as the ``aot_eager`` backend runs its graphs, after Inductor's post-grad
-            passes and the commfuse pass (the same rewrite, no kernel compiled): to tell a
-            problem of the rewrite from one of Inductor's, or to check numerics fast.
+            passes up to and including the commfuse pass (the same rewrite, no kernel compiled;
+            the passes after it only prepare code generation): to tell a problem of the
+            rewrite from one of Inductor's, or to check numerics fast.
         strict: if the pass raises on a graph, re-raise instead of warning and compiling that
             graph unrewritten.
         mode: the torch.compile mode for Inductor (:data:`MODES`), applied as

@@ -7,6 +7,10 @@ communication and compute again. We add two control dependencies per step:
     compute  after  start      (the transfer is in flight while the matmul runs)
     wait     after  compute    (the wait does not block the matmul)
 
+each on the ends of the step's compute only (the nodes no other compute node of the step feeds,
+and those that feed none): data orders the rest, and every pinned node becomes a
+``control_deps`` call that Inductor lowers and re-propagates on its own.
+
 and two more across steps and sites: every wait comes after the wait before it in the graph
 (ring exchanges and collectives alike), and so does every start (a ring exchange or a
 collective) after the start before it. Each rank's graph differs in which piece a step
@@ -87,9 +91,14 @@ def _ring_deps(sites: list[Site], waits: list[fx.Node], deps: dict[fx.Node, Orde
         for step in site.steps:
             if step.start is None:
                 continue
+            # Only the ends of the step's compute need pins: a node fed by another compute node
+            # runs after the start through it, and one feeding another runs before the wait.
+            computed = set(step.compute)
             for compute in step.compute:
-                deps.setdefault(compute, OrderedSet()).add(step.start)
-            deps.setdefault(step.wait, OrderedSet()).update(step.compute)
+                if not any(node in computed for node in compute.all_input_nodes):
+                    deps.setdefault(compute, OrderedSet()).add(step.start)
+                if not any(user in computed for user in compute.users):
+                    deps.setdefault(step.wait, OrderedSet()).add(compute)
     if any(site.steps for site in sites):
         for before, after in zip(waits, waits[1:]):
             deps.setdefault(after, OrderedSet()).add(before)

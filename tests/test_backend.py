@@ -123,6 +123,23 @@ def test_pass_failure_raises_in_strict_mode(world, monkeypatch):
         compiled_code(gather_matmul(world), "commfuse", torch.randn(4, 5), torch.randn(5, 4), options={"strict": True})
 
 
+def test_op_by_op_stops_after_the_pass(world, monkeypatch):
+    """``codegen=False`` runs Inductor's post-grad passes up to and including commfuse's, not
+    the code-generation preparation after it (Inductor's fake-tensor refresh, which would
+    propagate every rewritten node a second time); code generation still runs them."""
+    from torch._inductor import fx_utils
+
+    refreshed = []
+    refresh = fx_utils.FakeTensorUpdater.incremental_update
+    monkeypatch.setattr(fx_utils.FakeTensorUpdater, "incremental_update", lambda self: refreshed.append(self) or refresh(self))
+    f = gather_matmul(world)
+    for codegen, inner in ((False, 7), (True, 11)):  # (shapes no other test compiles: no cache hit)
+        torch._dynamo.reset()
+        torch.compile(f, backend="commfuse", options={"schedule": "ring", "codegen": codegen})(torch.randn(4, inner), torch.randn(inner, 4))
+        assert commfuse_compile.last_report().rewritten
+        assert bool(refreshed) is codegen, (codegen, len(refreshed))
+
+
 def test_missing_private_api_names_torch_version():
     message = str(_missing("torch._inductor.some_api", ImportError("gone")))
     assert torch.__version__ in message and "torch._inductor.some_api" in message and "2.13" in message
