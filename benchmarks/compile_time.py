@@ -4,7 +4,8 @@ What is measured. A stack of 1, 2, 4, 8 Llama-style transformer blocks (RMSNorm,
 with q/k/v/o projections, SwiGLU feed-forward) under a torchtitan-style tensor + sequence
 parallel plan (per block 2 all-gather → matmul and 2 matmul → reduce-scatter in forward, and
 their mirrors in backward), compiled forward + backward with ``backend="commfuse"``
-(``schedule="ring"`` by default) and with ``backend="inductor"``. Per stack: the total compile
+(``schedule="ring"`` by default; ``commfuse-no-fusion`` adds ``fusion=False``) and with
+``backend="inductor"``. Per stack: the total compile
 seconds (the first forward call plus the first backward, each of which compiles its graph; the
 toy sizes make running them negligible), the seconds spent in the commfuse pass (the sum of
 ``pass_seconds`` over the commfuse reports of that compile; the backward graph's pass time is
@@ -48,8 +49,11 @@ from _common import format_table, machine_info, median, progress, run_process, w
 
 from commfuse_compile.models import Block, tp_plan
 
-# What each --backends name compiles with (commfuse: with the --schedule given).
-BACKENDS = {"inductor": None, "commfuse": {}}
+# What each --backends name compiles with (commfuse: with the --schedule given, and these
+# options). Without fusion the steps compute only the matmuls, the row-local ops around each
+# ring (norms, activations, residual adds) run once on the whole tensor: how much of the
+# compile time is those ops computed piece by piece.
+BACKENDS = {"inductor": None, "commfuse": {}, "commfuse-no-fusion": {"fusion": False}}
 
 # Small dims: compile time hardly depends on them, and they divide by every world size ≤ 8.
 DIM, HEADS, FFN, BATCH, SEQ_PER_RANK = 64, 8, 128, 2, 4
