@@ -1,6 +1,8 @@
-"""A pool of rank processes spawned once and reused by every test of a module.
+"""A pool of rank processes started once and reused by every test of a module.
 
-Spawning a rank costs 3–5 s (import torch, rendezvous), so a test module starts its world once
+Starting a rank from scratch costs about 6 s of CPU (importing torch, Dynamo and Inductor), so ranks
+are forked from a server process that imported those once (multiprocessing's ``forkserver``
+with a preload list, one server per test process), and a test module starts its world once
 and sends it work: ``pool.run(fn, *args)`` calls the module-level function ``fn(*args)`` on every
 rank and returns the per-rank results, or raises with the failing rank's traceback. A rank that
 dies (a crash: its exit code is reported) or does not answer within the timeout (a deadlocked
@@ -13,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import multiprocessing as mp
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import queue
@@ -24,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 
 def free_port() -> int:
@@ -33,13 +37,11 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, tasks: mp.Queue, results: mp.Queue) -> None:
-    # Ranks share 2 cores: one thread each, no Inductor compile sub-processes.
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        TORCHINDUCTOR_CACHE_DIR=cache_dir,  # shared: kernels compile once for all ranks
-        TORCHINDUCTOR_COMPILE_THREADS="1",
-        OMP_NUM_THREADS="1",
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,  # shared: kernels compile once for all ranks (read per use)
+        **RANK_ENVIRONMENT,
     )
     # A crash writes this rank's stack here, and so does SIGUSR1 (sent on a timeout).
     stack_file = open(stacks, "w")  # noqa: SIM115  (open for the life of the process)
@@ -48,11 +50,13 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, 
     import warnings
 
     import torch
+    import torch._inductor.config
     import torch.distributed as dist
 
     # The toy programs use the (deprecated-named) funcol API on purpose: it is what users write.
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*_functional_collectives.*")
     torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1  # (the server imported Inductor's config)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
@@ -74,6 +78,23 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, 
     os._exit(0)
 
 
+# Ranks share 2 cores: one thread each, no Inductor compile sub-processes. Set for the fork server
+# too, so what torch reads at import time is what a rank started from scratch would read.
+RANK_ENVIRONMENT = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+# What every rank imports; the tests' own modules (light) are imported by the ranks that use them.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "commfuse_compile", "commfuse_compile.passes"]
+
+
+def _context() -> Any:
+    """The forkserver context, its server started (once per process) with torch imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    with mock.patch.dict(os.environ, RANK_ENVIRONMENT):
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
 class RankPool:
     """``world_size`` gloo ranks on this machine sharing one Inductor cache dir (the FX graph
     key covers the rank through the pass's uuid; identical kernels compile once)."""
@@ -84,7 +105,7 @@ class RankPool:
         self._spawn()
 
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.stacks = [tempfile.mktemp(prefix=f"rank{rank}_", suffix=".stack") for rank in range(self.world_size)]
