@@ -197,9 +197,12 @@ def _merged(emit: Emitter, first: tuple[fx.Node, fx.Node], second: tuple[fx.Node
     spread = emit(aten.add.Tensor, *(emit(aten.exp.default, emit(aten.sub.Tensor, part, top)) for part in (lse1, lse2)))
     lse = emit(aten.add.Tensor, top, emit(aten.log.default, spread))
 
+    def as_type(value: fx.Node, to: torch.dtype) -> fx.Node:
+        return value if fake(value).dtype == to else emit(torch.ops.prims.convert_element_type.default, value, to)
+
     def weighted(out: fx.Node, part: fx.Node) -> fx.Node:
         weight = emit(aten.unsqueeze.default, emit(aten.exp.default, emit(aten.sub.Tensor, part, lse)), -1)
-        return emit(aten.mul.Tensor, emit(torch.ops.prims.convert_element_type.default, out, torch.float32), weight)
+        return emit(aten.mul.Tensor, as_type(out, torch.float32), weight)
 
     out = emit(aten.add.Tensor, weighted(out1, lse1), weighted(out2, lse2))
-    return emit(torch.ops.prims.convert_element_type.default, out, dtype), lse
+    return as_type(out, dtype), lse

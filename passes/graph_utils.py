@@ -11,6 +11,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
+from commfuse_compile.piece import CONTIGUOUS, PIECE
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -29,6 +31,12 @@ SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 # Views that reinterpret a row-major tensor without moving data (they appear around mm for
 # leading dims: [B, S, H] -> [B*S, H] -> mm -> [B, S, M]).
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# Ops whose result is a function of their arguments alone (views, and ATen's contiguous copy):
+# an Emitter emits each (op, arguments) once and hands the same node to every later reader.
+# The rings ask for the same rows again (each matmul of a step reshapes the step's chunk,
+# each term of a sum cuts the same piece): one node each is fewer nodes for Inductor to lower,
+# schedule and call.
+REUSABLE = RESHAPES | {aten.permute.default, aten.slice.Tensor, aten.expand.default, aten.unsqueeze.default, PIECE, CONTIGUOUS}
 
 
 def ring_exchange_op() -> Any:
@@ -124,12 +132,18 @@ class Emitter:
         self.graph = graph
         self.before = before
         self.fake_mode = detect_fake_mode([_first_fake_tensor(graph)])
+        self.emitted: dict[tuple, fx.Node] = {}  # (op, arguments) -> node, for REUSABLE ops
 
     def __call__(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> fx.Node:
         if target in RESHAPES and any(not isinstance(s, int) for s in args[1]):
             args = (args[0], self._reshape_sizes(args[0], args[1]), *args[2:])
         if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
             raise SymbolicArgument(f"{target}: a symbolic size among the arguments {args}")
+        key = (target, _frozen(args), _frozen(kwargs)) if target in REUSABLE else None
+        # (every node of this Emitter sits before the same anchor, so an earlier one is in
+        # place for any later reader; one erased since, by dead-code elimination, is made again)
+        if key is not None and (earlier := self.emitted.get(key)) is not None and not earlier._erased:
+            return earlier
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
         _hoist_inputs(node)
@@ -137,6 +151,8 @@ class Emitter:
             node.meta["val"] = target(*fx.node.map_arg(args, fake), **fx.node.map_arg(kwargs, fake))
         for recorded in _RECORDERS.get(self.graph, ()):
             recorded.append(node)
+        if key is not None:
+            self.emitted[key] = node
         return node
 
     def _reshape_sizes(self, tensor: fx.Node, sizes: list[Any]) -> list[int]:
@@ -179,6 +195,15 @@ class GraphSnapshot:
                 env[node] = next(placeholders)
             else:
                 env[node] = graph.node_copy(node, env.__getitem__)
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its lists as tuples and its dicts as sorted item tuples (a dict key)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 def _first_fake_tensor(graph: fx.Graph) -> torch.Tensor | None:

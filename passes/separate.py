@@ -51,17 +51,22 @@ def separate_pieces(graph: fx.Graph, sites: list[Site]) -> int:
     """Turn the slices the sites' rewrites emitted into pieces; returns how many pieces."""
     replaced: dict[fx.Node, fx.Node] = {}  # each slice or piece -> the node that took its place
     owner: dict[fx.Node, Site] = {}
+    made: dict[tuple, fx.Node] = {}  # (site, tensor, dim, start, end) -> a piece made here
     for site in sites:
         for node in site.emitted:
             if node._erased or node.target is not aten.slice.Tensor or _step_of(node) != 1:
                 continue
-            with graph.inserting_before(node):
-                piece = graph.call_function(PIECE, tuple(node.args[:4]))
-            piece.meta = node.meta
+            key = (id(site), *node.args[:4])
+            if (piece := made.get(key)) is not None:  # the same slice emitted twice: one piece
+                _place_before(piece, node)
+            else:
+                with graph.inserting_before(node):
+                    piece = made[key] = graph.call_function(PIECE, tuple(node.args[:4]))
+                piece.meta = node.meta
             node.replace_all_uses_with(piece)
             graph.erase_node(node)
             replaced[node], owner[piece] = piece, site
-    _compute_pointwise_on_pieces(graph, list(owner), replaced, owner)
+    _compute_pointwise_on_pieces(graph, list(owner), replaced, owner, made)
     pieces = [node for node in owner if not node._erased and node.target is PIECE]
     for piece in pieces:
         if not _contiguous_if_sent(graph, piece):
@@ -87,7 +92,9 @@ def _follow(site: Site, replaced: dict[fx.Node, fx.Node], mine: list[fx.Node]) -
         step.compute = [final(node) for node in step.compute]
 
 
-def _compute_pointwise_on_pieces(graph: fx.Graph, pieces: list[fx.Node], replaced: dict[fx.Node, fx.Node], owner: dict[fx.Node, Site]) -> None:
+def _compute_pointwise_on_pieces(
+    graph: fx.Graph, pieces: list[fx.Node], replaced: dict[fx.Node, fx.Node], owner: dict[fx.Node, Site], made: dict[tuple, fx.Node]
+) -> None:
     """Where every reader of a pointwise op's result is a piece, compute the op on pieces of
     its inputs instead, until no such op is left (the nodes added are ``owner``'s too)."""
     work = list(pieces)
@@ -102,26 +109,48 @@ def _compute_pointwise_on_pieces(graph: fx.Graph, pieces: list[fx.Node], replace
         cuts_of = {user: _pointwise_cuts(whole, user.args[1]) for user in whole.users}
         if any(cuts is None for cuts in cuts_of.values()):
             continue
-        for user, cuts in cuts_of.items():
+        done: dict[tuple, fx.Node] = {}  # (site, cut) -> the op computed on that piece
+        for user, cuts in sorted(cuts_of.items()):
             _, _, start, end = user.args
+            site = owner.get(user)
+            if (same := done.get((id(site), *user.args[1:]))) is not None:  # an equal piece read before
+                user.replace_all_uses_with(same)
+                graph.erase_node(user)
+                replaced[user] = same
+                continue
             with graph.inserting_before(user):
-                args = [_piece(graph, arg, dim, start, end) if dim is not None else arg for arg, dim in zip(whole.args, cuts)]
+                args = [_piece(graph, made, (id(site), arg, dim, start, end), user) if dim is not None else arg for arg, dim in zip(whole.args, cuts)]
                 computed = graph.call_function(whole.target, tuple(args), dict(whole.kwargs))
             computed.meta["val"] = whole.target(*fx.node.map_arg(tuple(args), fake), **whole.kwargs)
             user.replace_all_uses_with(computed)
             graph.erase_node(user)
-            replaced[user] = computed
-            site = owner.get(user)
+            replaced[user] = done[id(site), *user.args[1:]] = computed
             for node in (*[a for a in args if isinstance(a, fx.Node) and a.target is PIECE and a not in whole.args], computed):
                 owner[node] = site
             work.extend(a for a in args if isinstance(a, fx.Node) and a.target is PIECE and a not in whole.args)
         graph.erase_node(whole)
 
 
-def _piece(graph: fx.Graph, tensor: fx.Node, dim: int, start: Any, end: Any) -> fx.Node:
+def _piece(graph: fx.Graph, made: dict[tuple, fx.Node], key: tuple, before: fx.Node) -> fx.Node:
+    """Piece ``key = (site, tensor, dim, start, end)`` for a node inserted before ``before``:
+    the one made for the same site already where there is one (two ops cut on pieces often read
+    the same input's), else a new one."""
+    if (earlier := made.get(key)) is not None and not earlier._erased:
+        _place_before(earlier, before)
+        return earlier
+    _, tensor, dim, start, end = key
     node = graph.call_function(PIECE, (tensor, dim, start, end))
     node.meta["val"] = PIECE(fake(tensor), dim, start, end)
+    made[key] = node
     return node
+
+
+def _place_before(piece: fx.Node, reader: fx.Node) -> None:
+    """Move ``piece`` up to just before ``reader`` if it comes later: its tensor is read there
+    already (a piece of it replaces a slice there, or an op computed on it is put there), so
+    the move keeps the graph sorted."""
+    if reader < piece:
+        reader.prepend(piece)
 
 
 def _pointwise_cuts(node: fx.Node, dim: int) -> list[int | None] | None:

@@ -485,3 +485,39 @@ def test_ulysses_steps_compute_projections_and_query_split_attention(world):
         for k, step in enumerate(sites[3].steps, start=1):
             sent = upstream(step.start.args[0], sdpa)
             assert attention_calls(sent) == query_split_calls(length, [(r + k) % WORLD]), sites[3].notes
+
+
+@pytest.mark.parametrize("program", ["plain_tp", "sequence_parallel", "attention"])
+def test_a_site_computes_each_view_and_piece_once(world, program):
+    """A ring asks for the same rows many times (each matmul of a step reshapes the step's
+    chunk, each term of a sum cuts the same piece, two ops computed on pieces read the same
+    input's): within one site's nodes no view, piece, copy or piecewise op is emitted twice
+    with the same arguments, which would be one more node to lower and call per repeat."""
+    import programs
+    from commfuse_compile.passes.graph_utils import REUSABLE
+
+    inputs = programs.make_inputs(program, 0, WORLD, torch.float32)
+    graphs = post_grad_graphs(programs.PROGRAMS[program][0], *inputs)
+    checked = 0
+    for kind, graph in graphs.items():
+        _, sites, _ = rewrite_as(graph, 3, kind, chunks_per_rank=2, pin_order=False)
+        for site in sites:
+            seen: dict[tuple, torch.fx.Node] = {}
+            for node in site.emitted:
+                target = node.target
+                pure = target in REUSABLE or isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+                if node.op != "call_function" or not pure:
+                    continue
+                key = (target, _frozen(node.args), _frozen(node.kwargs))
+                assert key not in seen, f"{kind}: {node.name} repeats {seen[key].name}: {target}{node.args}"
+                seen[key] = node
+                checked += 1
+    assert checked > 0
+
+
+def _frozen(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
