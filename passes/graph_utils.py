@@ -139,7 +139,7 @@ class Emitter:
             args = (args[0], self._reshape_sizes(args[0], args[1]), *args[2:])
         if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
             raise SymbolicArgument(f"{target}: a symbolic size among the arguments {args}")
-        key = (target, _frozen(args), _frozen(kwargs)) if target in REUSABLE else None
+        key = (target, frozen(args), frozen(kwargs)) if target in REUSABLE else None
         # (every node of this Emitter sits before the same anchor, so an earlier one is in
         # place for any later reader; one erased since, by dead-code elimination, is made again)
         if key is not None and (earlier := self.emitted.get(key)) is not None and not earlier._erased:
@@ -197,12 +197,12 @@ class GraphSnapshot:
                 env[node] = graph.node_copy(node, env.__getitem__)
 
 
-def _frozen(value: Any) -> Any:
+def frozen(value: Any) -> Any:
     """``value`` with its lists as tuples and its dicts as sorted item tuples (a dict key)."""
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        return tuple(frozen(v) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+        return tuple(sorted((k, frozen(v)) for k, v in value.items()))
     return value
 
 

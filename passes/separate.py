@@ -56,13 +56,7 @@ def separate_pieces(graph: fx.Graph, sites: list[Site]) -> int:
         for node in site.emitted:
             if node._erased or node.target is not aten.slice.Tensor or _step_of(node) != 1:
                 continue
-            key = (id(site), *node.args[:4])
-            if (piece := made.get(key)) is not None:  # the same slice emitted twice: one piece
-                _place_before(piece, node)
-            else:
-                with graph.inserting_before(node):
-                    piece = made[key] = graph.call_function(PIECE, tuple(node.args[:4]))
-                piece.meta = node.meta
+            piece = _piece(graph, made, (id(site), *node.args[:4]), node, meta=node.meta)  # (one for a slice emitted twice)
             node.replace_all_uses_with(piece)
             graph.erase_node(node)
             replaced[node], owner[piece] = piece, site
@@ -131,17 +125,21 @@ def _compute_pointwise_on_pieces(
         graph.erase_node(whole)
 
 
-def _piece(graph: fx.Graph, made: dict[tuple, fx.Node], key: tuple, before: fx.Node) -> fx.Node:
-    """Piece ``key = (site, tensor, dim, start, end)`` for a node inserted before ``before``:
-    the one made for the same site already where there is one (two ops cut on pieces often read
-    the same input's), else a new one."""
+def _piece(graph: fx.Graph, made: dict[tuple, fx.Node], key: tuple, before: fx.Node, meta: dict | None = None) -> fx.Node:
+    """Piece ``key = (site, tensor, dim, start, end)`` for a node at ``before``: the one made
+    for the same site already where there is one (a slice emitted twice, two ops cut on pieces
+    reading the same input's), else a new one placed before it (with ``meta`` where given: the
+    slice's it replaces)."""
     if (earlier := made.get(key)) is not None and not earlier._erased:
         _place_before(earlier, before)
         return earlier
     _, tensor, dim, start, end = key
-    node = graph.call_function(PIECE, (tensor, dim, start, end))
-    node.meta["val"] = PIECE(fake(tensor), dim, start, end)
-    made[key] = node
+    with graph.inserting_before(before):
+        node = made[key] = graph.call_function(PIECE, (tensor, dim, start, end))
+    if meta is not None:
+        node.meta = meta
+    else:
+        node.meta["val"] = PIECE(fake(tensor), dim, start, end)
     return node
 
 

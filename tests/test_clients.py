@@ -115,18 +115,18 @@ def test_dynamic_batch_keeps_every_rewrite(world):
     backend = functools.partial(commfuse, options={"schedule": "ring"}, _inner_compile=_post_grad_only)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
-    rewritten, symbolic, first = [], [], None
-    for batch in (tokens.shape[0], 3, 5):
+    rewritten, symbolic, reports = [], [], []
+    for batch in (tokens, *(torch.randint(0, 2048, (b, tokens.shape[1])) for b in (3, 5))):  # batch 2, 3, 5
         seen = len(commfuse_compile.reports())
-        compiled(tokens if first is None else torch.randint(0, 2048, (batch, tokens.shape[1]))).float().sum().backward()
+        compiled(batch).float().sum().backward()
         new = commfuse_compile.reports()[seen:]
         report = merge_reports(new) if new else None
-        first = report if first is None else first
+        reports.append(report)
         rewritten.append(Counter((s.graph, s.pattern) for s in report.rewritten) if report else None)
         # (the collective's tensor, the first shape recorded: a symbol is recorded by name)
         symbolic.append(report and all(any(isinstance(size, str) for size in next(iter(s.shapes.values()))) for s in report.rewritten))
     torch._dynamo.reset()
-    _check_sites(first, builder, expected)
+    _check_sites(reports[0], builder, expected)
     assert rewritten[0] == rewritten[1] and sum(rewritten[1].values()) == 18, rewritten
     assert symbolic[:2] == [False, True]  # batch 3: the same sites, planned with the batch a symbol
     assert rewritten[2] is None  # batch 5 reuses the symbolic graphs

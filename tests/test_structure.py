@@ -494,7 +494,7 @@ def test_a_site_computes_each_view_and_piece_once(world, program):
     input's): within one site's nodes no view, piece, copy or piecewise op is emitted twice
     with the same arguments, which would be one more node to lower and call per repeat."""
     import programs
-    from commfuse_compile.passes.graph_utils import REUSABLE
+    from commfuse_compile.passes.graph_utils import REUSABLE, frozen
 
     inputs = programs.make_inputs(program, 0, WORLD, torch.float32)
     graphs = post_grad_graphs(programs.PROGRAMS[program][0], *inputs)
@@ -508,16 +508,8 @@ def test_a_site_computes_each_view_and_piece_once(world, program):
                 pure = target in REUSABLE or isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
                 if node.op != "call_function" or not pure:
                     continue
-                key = (target, _frozen(node.args), _frozen(node.kwargs))
+                key = (target, frozen(node.args), frozen(node.kwargs))
                 assert key not in seen, f"{kind}: {node.name} repeats {seen[key].name}: {target}{node.args}"
                 seen[key] = node
                 checked += 1
     assert checked > 0
-
-
-def _frozen(value):
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    return value
