@@ -32,10 +32,13 @@ def progress(message: str) -> None:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, core count, Python / torch versions and the date, for the JSON results."""
+    """CPU model, core count, GPU (where one is visible), Python / torch versions and the date,
+    for the JSON results."""
     import torch
 
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
+        "gpu": gpu,
         "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
         "hostname": platform.node(),

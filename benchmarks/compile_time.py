@@ -26,8 +26,12 @@ process may run a fifth slower than the next), so ``--repeats R`` measures every
 backend) R times, the backends taking turns in a rotated order each round, and reports the
 median with its range; the ratio to Inductor is that of the medians.
 
+On a GPU (``--device cuda``) the model's mesh, parameters and inputs are on ``cuda:0`` (still
+under the fake process group, so one GPU measures any world size) and the kernels counted are
+Inductor's Triton kernels.
+
 Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 4] [--repeats 3]
-[--json out.json]``; ``--quick`` compiles one block only and skips the warm-up compile (a smoke
+[--device cpu|cuda] [--json out.json]``; ``--quick`` compiles one block only and skips the warm-up compile (a smoke
 test: its numbers include the one-time costs).
 """
 
@@ -70,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 turn = args.backends[repeat % len(args.backends) :] + args.backends[: repeat % len(args.backends)]
                 for backend in turn:
                     progress(f"compiling {blocks} block(s) with backend={backend!r} in a fresh process (round {repeat + 1})")
-                    measured = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick)
+                    measured = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick, args.device)
                     runs[backend].append(measured)
                     progress(f"  {backend}: {measured['total_s']:.1f} s, {measured['unique_kernels']} unique kernels" + _pass_note(measured))
             rows.append({"blocks": blocks, **{backend: summarize(measured) for backend, measured in runs.items()}})
@@ -81,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "compile_time",
         "machine": machine_info(),
         "world_size": args.world_size,
+        "device": args.device,
         "schedule": args.schedule,
         "dims": {"dim": DIM, "heads": HEADS, "ffn": FFN, "batch": BATCH, "seq": SEQ_PER_RANK * args.world_size},
         "quick": args.quick,
@@ -100,6 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--backends", default="inductor,commfuse", help=f"comma-separated subset of {','.join(BACKENDS)} (default inductor,commfuse)")
     parser.add_argument("--repeats", type=int, default=1, help="measure every (stack, backend) this many times, in turns (default 1)")
     parser.add_argument("--quick", action="store_true", help="one block, no compiler warm-up: a smoke test")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model and its inputs live (default cpu; cuda compiles Triton kernels on cuda:0)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
     text = args.blocks or ("1" if args.quick else "1,2,4,8")
@@ -164,24 +170,28 @@ def render(results: dict[str, Any]) -> str:
                 ]
             )
     head = (
-        f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks, fake process group of {results['world_size']}, "
+        f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks on {results.get('device', 'cpu')}, fake process group of {results['world_size']}, "
         f"commfuse schedule={results['schedule']!r}; median of {results.get('repeats', 1)} run(s) each, range of the totals"
     )
     headers = ["blocks", "backend", "total s", "range s", "vs inductor", "fw s", "bw s", "pass s", "pass/total", "rewritten", "kernels (unique)", "unique vs inductor"]
     return "\n".join([head, format_table(headers, rows, left=(1,))])
 
 
-def measure_in_fresh_process(backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True) -> dict[str, Any]:
+def measure_in_fresh_process(
+    backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True, device: str = "cpu"
+) -> dict[str, Any]:
     """Run :func:`measure_compile` in a new process with a new, empty Inductor cache dir."""
     cache_dir = tempfile.mkdtemp(prefix="commfuse_compile_time_")
     env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     try:
-        return run_process(measure_compile, (backend, blocks, world_size, schedule, warm_up), env=env)
+        return run_process(measure_compile, (backend, blocks, world_size, schedule, warm_up, device), env=env)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
-def measure_compile(backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True) -> dict[str, Any]:
+def measure_compile(
+    backend: str, blocks: int, world_size: int, schedule: str, warm_up: bool = True, device: str = "cpu"
+) -> dict[str, Any]:
     """In this (fresh) process: compile ``blocks`` TP blocks fw + bw and time it.
 
     Returns ``total_s``, ``forward_s``, ``backward_s`` and, for commfuse, ``pass_s``,
@@ -199,21 +209,23 @@ def measure_compile(backend: str, blocks: int, world_size: int, schedule: str, w
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         if warm_up:
-            _warm_up_compiler()
+            _warm_up_compiler(device)
         timed_pass = _time_the_pass()
         kernels = _count_kernels()
-        model = build_stack(blocks, world_size)
+        model = build_stack(blocks, world_size, device)
         extra = BACKENDS[backend]
         options = {} if extra is None else {"options": {"schedule": schedule, **extra}}
         compiled = torch.compile(model, backend="inductor" if extra is None else "commfuse", **options)
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen, requires_grad=True)  # [B, S/N, H]
-        grad = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen)
+        x = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen).to(device).requires_grad_()  # [B, S/N, H]
+        grad = torch.randn(BATCH, SEQ_PER_RANK, DIM, generator=gen).to(device)
         commfuse_compile.clear_reports()
         start = time.perf_counter()
         out = compiled(x)
         middle = time.perf_counter()
         (out * grad).sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
         end = time.perf_counter()
         measured: dict[str, Any] = {"total_s": end - start, "forward_s": middle - start, "backward_s": end - middle}
         measured.update(kernels=len(kernels), unique_kernels=len(set(kernels)))
@@ -225,11 +237,11 @@ def measure_compile(backend: str, blocks: int, world_size: int, schedule: str, w
         dist.destroy_process_group()
 
 
-def _warm_up_compiler() -> None:
+def _warm_up_compiler(device: str = "cpu") -> None:
     """One untimed Inductor compile of an unrelated function, and commfuse's lazy imports."""
     importlib.import_module("commfuse_compile.passes")  # the pass imports it on first use
 
-    torch.compile(lambda t: (t * 2).sin(), backend="inductor")(torch.randn(8))
+    torch.compile(lambda t: (t * 2).sin(), backend="inductor")(torch.randn(8, device=device))
 
 
 def _count_kernels() -> list[str]:
@@ -293,7 +305,7 @@ def _pass_summary(reports: list[Any], total_s: float, timed_pass: list[float]) -
 # --- the model: Llama-style blocks (commfuse_compile.models) under a TP + SP plan ----------
 
 
-def build_stack(blocks: int, world_size: int) -> nn.Module:
+def build_stack(blocks: int, world_size: int, device: str = "cpu") -> nn.Module:
     """``blocks`` Llama-style blocks in an ``nn.Sequential``, parallelised over all ranks.
 
     Inside a container so that each block's input hook (Shard(1) → Replicate) is traced into
@@ -304,7 +316,7 @@ def build_stack(blocks: int, world_size: int) -> nn.Module:
 
     torch.manual_seed(0)
     stack = nn.Sequential(*(Block(DIM, HEADS, FFN) for _ in range(blocks)))
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(device, (world_size,))
     plan = {key: style for i in range(blocks) for key, style in tp_plan(f"{i}.").items()}
     return parallelize_module(stack, mesh, plan)
 

@@ -113,6 +113,13 @@ def test_step_time_rejects_a_schedule_the_model_cannot_use():
         step_time.parse_args(["--model", "ulysses", "--variants", "inductor,slicing"])
 
 
+def test_compile_time_device_option():
+    assert compile_time.parse_args(["--device", "cuda"]).device == "cuda"
+    assert compile_time.parse_args([]).device == "cpu"
+    with pytest.raises(SystemExit):
+        compile_time.parse_args(["--device", "tpu"])
+
+
 def test_step_time_rate_parsing():
     assert step_time.rate_bytes_per_second("400mbit") == 50e6
     assert step_time.rate_bytes_per_second("1gbit") == 125e6
