@@ -4,7 +4,8 @@ What is measured. A stack of 1, 2, 4, 8 Llama-style transformer blocks (RMSNorm,
 with q/k/v/o projections, SwiGLU feed-forward) under a torchtitan-style tensor + sequence
 parallel plan (per block 2 all-gather → matmul and 2 matmul → reduce-scatter in forward, and
 their mirrors in backward), compiled forward + backward with ``backend="commfuse"``
-(``schedule="ring"`` by default; ``commfuse-no-fusion`` adds ``fusion=False``) and with
+(``schedule="ring"`` by default; ``commfuse-no-fusion`` adds ``fusion=False``, ``commfuse-no-pin``
+``pin_order=False``) and with
 ``backend="inductor"``. Per stack: the total compile
 seconds (the first forward call plus the first backward, each of which compiles its graph; the
 toy sizes make running them negligible), the seconds spent in the commfuse pass (the sum of
@@ -57,7 +58,8 @@ from commfuse_compile.models import Block, tp_plan
 # options). Without fusion the steps compute only the matmuls, the row-local ops around each
 # ring (norms, activations, residual adds) run once on the whole tensor: how much of the
 # compile time is those ops computed piece by piece.
-BACKENDS = {"inductor": None, "commfuse": {}, "commfuse-no-fusion": {"fusion": False}}
+# commfuse-no-pin leaves the ring's order to Inductor (``pin_order=False``): what the pins cost.
+BACKENDS = {"inductor": None, "commfuse": {}, "commfuse-no-fusion": {"fusion": False}, "commfuse-no-pin": {"pin_order": False}}
 
 # Small dims: compile time hardly depends on them, and they divide by every world size ≤ 8.
 DIM, HEADS, FFN, BATCH, SEQ_PER_RANK = 64, 8, 128, 2, 4

@@ -116,6 +116,7 @@ def test_step_time_rejects_a_schedule_the_model_cannot_use():
 def test_compile_time_device_option():
     assert compile_time.parse_args(["--device", "cuda"]).device == "cuda"
     assert compile_time.parse_args([]).device == "cpu"
+    assert compile_time.parse_args(["--backends", "inductor,commfuse-no-pin"]).backends == ["inductor", "commfuse-no-pin"]
     with pytest.raises(SystemExit):
         compile_time.parse_args(["--device", "tpu"])
 
