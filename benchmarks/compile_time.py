@@ -4,10 +4,9 @@ What is measured. A stack of 1, 2, 4, 8 Llama-style transformer blocks (RMSNorm,
 with q/k/v/o projections, SwiGLU feed-forward) under a torchtitan-style tensor + sequence
 parallel plan (per block 2 all-gather → matmul and 2 matmul → reduce-scatter in forward, and
 their mirrors in backward), compiled forward + backward with ``backend="commfuse"``
-(``schedule="ring"`` by default; ``commfuse-no-fusion`` adds ``fusion=False``, ``commfuse-no-pin``
-``pin_order=False``) and with
-``backend="inductor"``. Per stack: the total compile
-seconds (the first forward call plus the first backward, each of which compiles its graph; the
+(``schedule="ring"`` by default; ``commfuse-no-fusion`` adds ``fusion=False``,
+``commfuse-no-pin`` ``pin_order=False``) and with ``backend="inductor"``. Per stack: the total
+compile seconds (the first forward call plus the first backward, each of which compiles its graph; the
 toy sizes make running them negligible), the seconds spent in the commfuse pass (the sum of
 ``pass_seconds`` over the commfuse reports of that compile; the backward graph's pass time is
 added to the same report when backward compiles), their ratio, the number of sites
@@ -32,8 +31,8 @@ under the fake process group, so one GPU measures any world size) and the kernel
 Inductor's Triton kernels.
 
 Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 4] [--repeats 3]
-[--device cpu|cuda] [--json out.json]``; ``--quick`` compiles one block only and skips the warm-up compile (a smoke
-test: its numbers include the one-time costs).
+[--device cpu|cuda] [--json out.json]``; ``--quick`` compiles one block only and skips the
+warm-up compile (a smoke test: its numbers include the one-time costs).
 """
 
 from __future__ import annotations

@@ -119,9 +119,10 @@ def _compute_pointwise_on_pieces(
             user.replace_all_uses_with(computed)
             graph.erase_node(user)
             replaced[user] = done[id(site), *user.args[1:]] = computed
-            for node in (*[a for a in args if isinstance(a, fx.Node) and a.target is PIECE and a not in whole.args], computed):
+            new_pieces = [a for a in args if isinstance(a, fx.Node) and a.target is PIECE and a not in whole.args]
+            for node in (*new_pieces, computed):
                 owner[node] = site
-            work.extend(a for a in args if isinstance(a, fx.Node) and a.target is PIECE and a not in whole.args)
+            work.extend(new_pieces)
         graph.erase_node(whole)
 
 
