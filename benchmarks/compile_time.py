@@ -30,7 +30,10 @@ On a GPU (``--device cuda``) the model's mesh, parameters and inputs are on ``cu
 under the fake process group, so one GPU measures any world size) and the kernels counted are
 Inductor's Triton kernels.
 
-Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 4] [--repeats 3]
+``--world-size 2,4,8`` measures each group size in turn (the table's ``ranks``; default 4): a
+ring has one step per rank, so what its steps cost the compiler grows with the group.
+
+Usage: ``python benchmarks/compile_time.py [--blocks 1,2,4,8] [--world-size 2,4,8] [--repeats 3]
 [--device cpu|cuda] [--json out.json]``; ``--quick`` compiles one block only and skips the
 warm-up compile (a smoke test: its numbers include the one-time costs).
 """
@@ -69,26 +72,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rows = []
     try:
-        for blocks in args.blocks:
-            runs: dict[str, list[dict[str, Any]]] = {backend: [] for backend in args.backends}
-            for repeat in range(args.repeats):
-                turn = args.backends[repeat % len(args.backends) :] + args.backends[: repeat % len(args.backends)]
-                for backend in turn:
-                    progress(f"compiling {blocks} block(s) with backend={backend!r} in a fresh process (round {repeat + 1})")
-                    measured = measure_in_fresh_process(backend, blocks, args.world_size, args.schedule, not args.quick, args.device)
-                    runs[backend].append(measured)
-                    progress(f"  {backend}: {measured['total_s']:.1f} s, {measured['unique_kernels']} unique kernels" + _pass_note(measured))
-            rows.append({"blocks": blocks, **{backend: summarize(measured) for backend, measured in runs.items()}})
+        for world_size in args.world_sizes:
+            for blocks in args.blocks:
+                runs: dict[str, list[dict[str, Any]]] = {backend: [] for backend in args.backends}
+                for repeat in range(args.repeats):
+                    turn = args.backends[repeat % len(args.backends) :] + args.backends[: repeat % len(args.backends)]
+                    for backend in turn:
+                        progress(f"compiling {blocks} block(s) at {world_size} ranks with backend={backend!r} in a fresh process (round {repeat + 1})")
+                        measured = measure_in_fresh_process(backend, blocks, world_size, args.schedule, not args.quick, args.device)
+                        runs[backend].append(measured)
+                        progress(f"  {backend}: {measured['total_s']:.1f} s, {measured['unique_kernels']} unique kernels" + _pass_note(measured))
+                rows.append({"world_size": world_size, "blocks": blocks, **{backend: summarize(measured) for backend, measured in runs.items()}})
     except RuntimeError as err:
         print(f"compile_time failed: {err}", file=sys.stderr)
         return 1
     results = {
         "benchmark": "compile_time",
         "machine": machine_info(),
-        "world_size": args.world_size,
+        "world_size": args.world_sizes[0] if len(args.world_sizes) == 1 else args.world_sizes,
         "device": args.device,
         "schedule": args.schedule,
-        "dims": {"dim": DIM, "heads": HEADS, "ffn": FFN, "batch": BATCH, "seq": SEQ_PER_RANK * args.world_size},
+        "dims": {"dim": DIM, "heads": HEADS, "ffn": FFN, "batch": BATCH, "seq_per_rank": SEQ_PER_RANK},
         "quick": args.quick,
         "repeats": args.repeats,
         "results": rows,
@@ -101,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", default=None, help="comma-separated stack sizes (default 1,2,4,8; 1 with --quick)")
-    parser.add_argument("--world-size", type=int, default=4, help="size of the fake process group (default 4)")
+    parser.add_argument("--world-size", default="4", help="comma-separated sizes of the fake process group, each measured in turn (default 4)")
     parser.add_argument("--schedule", default="ring", help="commfuse schedule option (default ring)")
     parser.add_argument("--backends", default="inductor,commfuse", help=f"comma-separated subset of {','.join(BACKENDS)} (default inductor,commfuse)")
     parser.add_argument("--repeats", type=int, default=1, help="measure every (stack, backend) this many times, in turns (default 1)")
@@ -118,9 +122,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--blocks must be positive")
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    n = args.world_size
-    if n < 1 or HEADS % n or FFN % n or DIM % n:
-        parser.error(f"--world-size must divide heads {HEADS}, ffn {FFN} and dim {DIM}")
+    try:
+        args.world_sizes = [int(n) for n in args.world_size.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--world-size must be comma-separated integers, got {args.world_size!r}")
+    if not args.world_sizes or any(n < 1 or HEADS % n or FFN % n or DIM % n for n in args.world_sizes):
+        parser.error(f"--world-size: each size must divide heads {HEADS}, ffn {FFN} and dim {DIM}")
     return args
 
 
@@ -156,6 +163,7 @@ def render(results: dict[str, Any]) -> str:
             vs = ind and backend != "inductor"
             rows.append(
                 [
+                    row.get("world_size", results["world_size"]),
                     row["blocks"],
                     backend,
                     m["total_s"],
@@ -171,11 +179,11 @@ def render(results: dict[str, Any]) -> str:
                 ]
             )
     head = (
-        f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks on {results.get('device', 'cpu')}, fake process group of {results['world_size']}, "
+        f"\ncompile time (s), fw+bw, Llama-style TP+SP blocks on {results.get('device', 'cpu')}, under a fake process group of each size (ranks), "
         f"commfuse schedule={results['schedule']!r}; median of {results.get('repeats', 1)} run(s) each, range of the totals"
     )
-    headers = ["blocks", "backend", "total s", "range s", "vs inductor", "fw s", "bw s", "pass s", "pass/total", "rewritten", "kernels (unique)", "unique vs inductor"]
-    return "\n".join([head, format_table(headers, rows, left=(1,))])
+    headers = ["ranks", "blocks", "backend", "total s", "range s", "vs inductor", "fw s", "bw s", "pass s", "pass/total", "rewritten", "kernels (unique)", "unique vs inductor"]
+    return "\n".join([head, format_table(headers, rows, left=(2,))])
 
 
 def measure_in_fresh_process(

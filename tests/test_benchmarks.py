@@ -121,6 +121,19 @@ def test_compile_time_device_option():
         compile_time.parse_args(["--device", "tpu"])
 
 
+def test_compile_time_world_sizes():
+    assert compile_time.parse_args([]).world_sizes == [4]
+    assert compile_time.parse_args(["--world-size", "2,4,8"]).world_sizes == [2, 4, 8]
+    for bad in ("3", "4,x", ""):
+        with pytest.raises(SystemExit):
+            compile_time.parse_args(["--world-size", bad])
+    measured = {"total_s": 2.0, "total_s_min": 2.0, "total_s_max": 2.0, "forward_s": 1.0, "backward_s": 1.0, "kernels": 4, "unique_kernels": 3}
+    rows = [{"world_size": n, "blocks": 1, "inductor": measured, "commfuse": {**measured, "total_s": 1.0 * n}} for n in (2, 8)]
+    table = compile_time.render({"results": rows, "world_size": [2, 8], "schedule": "ring"}).splitlines()
+    assert [line.split()[:4] for line in table[-4:]] == [["2", "1", "inductor", "2.0"], ["2", "1", "commfuse", "2.0"], ["8", "1", "inductor", "2.0"], ["8", "1", "commfuse", "8.0"]]
+    assert table[-1].split()[5] == "4.00"  # vs inductor at its own group size
+
+
 def test_step_time_rate_parsing():
     assert step_time.rate_bytes_per_second("400mbit") == 50e6
     assert step_time.rate_bytes_per_second("1gbit") == 125e6
