@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
     text = args.blocks or ("1" if args.quick else "1,2,4,8")
-    args.blocks = [int(b) for b in text.split(",") if b.strip()]
+    args.blocks = _integers(parser, "--blocks", text)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not args.backends or set(args.backends) - set(BACKENDS):
         parser.error(f"--backends must name some of {', '.join(BACKENDS)}")
@@ -122,13 +122,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--blocks must be positive")
     if args.repeats < 1:
         parser.error("--repeats must be positive")
-    try:
-        args.world_sizes = [int(n) for n in args.world_size.split(",") if n.strip()]
-    except ValueError:
-        parser.error(f"--world-size must be comma-separated integers, got {args.world_size!r}")
+    args.world_sizes = _integers(parser, "--world-size", args.world_size)
     if not args.world_sizes or any(n < 1 or HEADS % n or FFN % n or DIM % n for n in args.world_sizes):
         parser.error(f"--world-size: each size must divide heads {HEADS}, ffn {FFN} and dim {DIM}")
     return args
+
+
+def _integers(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """A comma-separated list of integers given to ``option``."""
+    try:
+        return [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"{option} must be comma-separated integers, got {text!r}")
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,7 +168,7 @@ def render(results: dict[str, Any]) -> str:
             vs = ind and backend != "inductor"
             rows.append(
                 [
-                    row.get("world_size", results["world_size"]),
+                    row["world_size"],
                     row["blocks"],
                     backend,
                     m["total_s"],
