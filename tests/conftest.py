@@ -8,26 +8,6 @@ sys.path.insert(0, os.path.dirname(__file__))  # rank_pool and the test modules,
 
 from rank_pool import RankPool  # noqa: E402
 
-# The test files that take longest, longest first (summed test durations of a full run,
-# 2026-12-04: 389, 296, 236, 203, 199 and 157 s). Two workers take whole files in the order
-# collected (``-n 2 --dist loadfile``), so handing out the long files first keeps one worker
-# from starting a long file while the other has run out of work (longest first, as in LPT
-# scheduling); the other files follow in their usual order.
-LONGEST_FIRST = ["test_clients_train.py", "test_rings.py", "test_clients.py", "test_p2p_order.py", "test_benchmarks.py", "test_tp_llama.py"]
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config.option, "loadscopereorder"):  # (xdist: keep the collected order, not by test count)
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = os.path.basename(str(item.path))
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # (stable: each file keeps its own order)
-
 
 @pytest.fixture(scope="session")
 def inductor_cache_dir(tmp_path_factory) -> str:
