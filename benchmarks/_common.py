@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: spawning gloo ranks, machine info, tables, JSON.
+"""Helpers shared by the benchmarks: starting gloo ranks, machine info, tables, JSON.
 
 The benchmarks are scripts (``python benchmarks/X.py``); they import this module as ``_common``
 because the script's own directory is first on ``sys.path`` (the tests put it there too).
@@ -21,14 +21,15 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-# Wall-clock start, inherited by spawned ranks and re-executed children so that their
-# progress lines count from the same moment.
-_STARTED = float(os.environ.setdefault("COMMFUSE_BENCH_T0", repr(time.time())))
+# Wall-clock start, handed to the benchmark's processes and re-executed children so that
+# their progress lines count from the same moment.
+T0 = "COMMFUSE_BENCH_T0"
+os.environ.setdefault(T0, repr(time.time()))
 
 
 def progress(message: str) -> None:
     """Print one progress line (seconds since the benchmark started) and flush it at once."""
-    print(f"[{time.time() - _STARTED:7.1f}s] {message}", flush=True)
+    print(f"[{time.time() - float(os.environ[T0]):7.1f}s] {message}", flush=True)
 
 
 def machine_info() -> dict[str, Any]:
@@ -75,9 +76,8 @@ def free_port() -> int:
 def environment(**values: str) -> Iterator[None]:
     """Set environment variables for the duration of the block, then restore them.
 
-    Spawned processes inherit the environment at ``start()``; variables such as
-    ``OMP_NUM_THREADS`` must be set then, because the child imports torch while unpickling
-    its target, before any of our code runs there.
+    (The fork server that starts the benchmarks' processes is started inside such a block: it
+    imports torch, which reads ``OMP_NUM_THREADS`` then.)
     """
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -100,15 +100,38 @@ def rank_environment(cache_dir: str) -> dict[str, str]:
     }
 
 
+# What every benchmark process imports: loaded once by the fork server (``_context``), which
+# every rank and measurement is then forked from, instead of a few seconds of imports each.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "commfuse_compile", "commfuse_compile.passes"]
+
+
+def _context() -> Any:
+    """multiprocessing's forkserver context, its server started with torch imported.
+
+    A forked process is as fresh as a spawned one for what the benchmarks measure: the server
+    only imports modules (no compile, no process group, no CUDA), and each process gets its
+    own environment (``env``) before its target runs. The server's own environment is fixed
+    when it starts (one torch thread, serial Inductor compiles).
+    """
+    import multiprocessing.forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    with environment(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1"):
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
 def _rank_entry(
     rank: int,
     world_size: int,
     port: int,
+    env: dict[str, str],
     target: Callable[..., Any],
     args: tuple,
     results: mp.Queue,
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import warnings
 
     import torch
@@ -155,21 +178,20 @@ def run_ranks(
 ) -> list[Any]:
     """Run the module-level function ``target(*args)`` on ``world_size`` fresh gloo ranks.
 
-    Each rank is a new spawned process with one torch thread, ``env`` set before it starts
-    (``OMP_NUM_THREADS`` must be), and an initialised default process group. Returns the
+    Each rank is a new process (forked from a server that imported torch) with one torch
+    thread, ``env`` set before ``target`` runs, and an initialised default process group. Returns the
     per-rank results; raises ``RuntimeError`` with the failing rank's traceback, or when a rank
     does not answer within ``timeout`` seconds (its peers are then killed, never left hanging).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_entry, args=(rank, world_size, port, target, args, results), daemon=True)
+        ctx.Process(target=_rank_entry, args=(rank, world_size, port, {T0: os.environ[T0], **(env or {})}, target, args, results), daemon=True)
         for rank in range(world_size)
     ]
-    with environment(**(env or {})):
-        for proc in procs:
-            proc.start()
+    for proc in procs:
+        proc.start()
     answers: list[Any] = [None] * world_size
     failures = []
     try:
@@ -190,7 +212,8 @@ def run_ranks(
     return answers
 
 
-def _process_entry(target: Callable[..., Any], args: tuple, results: mp.Queue) -> None:
+def _process_entry(env: dict[str, str], target: Callable[..., Any], args: tuple, results: mp.Queue) -> None:
+    os.environ.update(env)
     try:
         results.put((True, target(*args)))
     except BaseException:
@@ -198,16 +221,15 @@ def _process_entry(target: Callable[..., Any], args: tuple, results: mp.Queue) -
 
 
 def run_process(target: Callable[..., Any], args: tuple = (), env: dict[str, str] | None = None, timeout: float = 1800.0) -> Any:
-    """Run the module-level function ``target(*args)`` in a fresh spawned process; return its result.
+    """Run the module-level function ``target(*args)`` in a fresh process; return its result.
 
-    ``env`` is set before the process starts. Raises ``RuntimeError`` with the traceback if
+    ``env`` is set in the process before ``target`` runs. Raises ``RuntimeError`` with the traceback if
     ``target`` raised, or if it did not answer within ``timeout`` seconds (it is then killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_process_entry, args=(target, args, results), daemon=True)
-    with environment(**(env or {})):
-        proc.start()
+    proc = ctx.Process(target=_process_entry, args=({T0: os.environ[T0], **(env or {})}, target, args, results), daemon=True)
+    proc.start()
     try:
         ok, value = _next_result(results, [proc], timeout)
     finally:

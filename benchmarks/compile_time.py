@@ -16,8 +16,8 @@ counted by wrapping Inductor's ``AsyncCompile`` in the measuring process).
 
 How. A single process per (backend, stack) measurement, under a fake process group
 (``dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=N)``): it traces and
-compiles at any world size with no communication. Every measurement runs in a fresh spawned
-process with its own fresh ``TORCHINDUCTOR_CACHE_DIR``, so neither Inductor's on-disk caches
+compiles at any world size with no communication. Every measurement runs in a fresh process
+(forked from a server that only imported torch) with its own fresh ``TORCHINDUCTOR_CACHE_DIR``, so neither Inductor's on-disk caches
 nor its in-memory kernel caches are warm; each process first compiles an unrelated one-op
 function (untimed) so one-time costs (lazy imports, the first C++ compiler call) land in
 neither backend's numbers. Serial compiles (``TORCHINDUCTOR_COMPILE_THREADS=1``), so the

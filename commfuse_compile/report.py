@@ -15,6 +15,7 @@ import logging
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch.fx as fx
@@ -88,7 +89,7 @@ class Report:
     options: dict[str, object]
     sites: list[SiteRecord] = dataclasses.field(default_factory=list)
     graph_kinds: list[str] = dataclasses.field(default_factory=list)  # graphs the pass ran on
-    graphs: dict[str, fx.GraphModule] = dataclasses.field(default_factory=dict)  # rewritten, by kind
+    graphs: RewrittenGraphs = dataclasses.field(default_factory=lambda: RewrittenGraphs())  # rewritten, by kind
     cache_hits: int = 0  # graphs Inductor served from its FX cache (the pass did not run)
     errors: list[str] = dataclasses.field(default_factory=list)
     pass_seconds: float = 0.0  # wall time spent in the commfuse pass (all graphs of this compile)
@@ -108,9 +109,7 @@ class Report:
 
     def add_graph(self, kind: str, graph: fx.Graph) -> None:
         """Keep a copy of a rewritten graph (a second graph of a kind gets a numbered key)."""
-        from commfuse_compile.passes.graph_utils import GraphSnapshot
-
-        self.graphs[_free_key(self.graphs, kind)] = fx.GraphModule(getattr(graph, "owning_module", None) or {}, GraphSnapshot(graph).saved)
+        self.graphs.keep(_free_key(self.graphs, kind), graph)
 
     def summary(self) -> str:
         """A readable table: one row per match, then each match's reason and notes."""
@@ -173,7 +172,71 @@ def _speedup(site: SiteRecord) -> str:
     return f"{chosen.label} {chosen.seconds * 1e3:.3g} ms vs {vanilla.seconds * 1e3:.3g} ms"
 
 
-def _free_key(graphs: dict[str, fx.GraphModule], kind: str) -> str:
+class _Copied:
+    """A copy of a rewritten graph and the attributes its ``get_attr`` nodes read."""
+
+    def __init__(self, graph: fx.Graph):
+        from commfuse_compile.passes.graph_utils import GraphSnapshot
+
+        self.graph = GraphSnapshot(graph).saved  # (Inductor's later passes edit the original)
+        owner = getattr(graph, "owning_module", None)
+        self.attrs = {n.target: _attribute(owner, n.target) for n in self.graph.find_nodes(op="get_attr")}
+
+
+def _attribute(module: Any, target: str) -> Any:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
+class RewrittenGraphs(MutableMapping[str, fx.GraphModule]):
+    """The rewritten graphs of a report by kind (``"forward"``, ``"backward"``, ``"forward#1"``...).
+
+    Each is copied when the pass finishes, and made an ``fx.GraphModule`` (which generates and
+    compiles its Python code, a large share of the pass's own time on big graphs) only when it
+    is first read: most compiles never read theirs.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, fx.GraphModule | _Copied] = {}
+
+    def keep(self, kind: str, graph: fx.Graph) -> None:
+        """Copy ``graph`` (as it is now) under ``kind``."""
+        self._entries[kind] = _Copied(graph)
+
+    def entries(self) -> list[tuple[str, fx.GraphModule | _Copied]]:
+        """The stored entries as they are (for merging reports without building modules)."""
+        return list(self._entries.items())
+
+    def put_entry(self, kind: str, entry: fx.GraphModule | _Copied) -> None:
+        self._entries[kind] = entry
+
+    def __getitem__(self, kind: str) -> fx.GraphModule:
+        entry = self._entries[kind]
+        if isinstance(entry, _Copied):
+            entry = self._entries[kind] = fx.GraphModule(entry.attrs, entry.graph)
+        return entry
+
+    def __setitem__(self, kind: str, module: fx.GraphModule) -> None:
+        self._entries[kind] = module
+
+    def __delitem__(self, kind: str) -> None:
+        del self._entries[kind]
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._entries  # (Mapping's own would build the module)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"RewrittenGraphs({list(self._entries)})"
+
+
+def _free_key(graphs: MutableMapping[str, fx.GraphModule], kind: str) -> str:
     """``kind``, or ``kind#1``, ``kind#2``, ... if taken (several graphs of one kind)."""
     return next(k for k in itertools.chain([kind], (f"{kind}#{i}" for i in itertools.count(1))) if k not in graphs)
 
@@ -199,8 +262,8 @@ def merge_reports(parts: list[Report]) -> Report:
         merged.errors += part.errors
         merged.cache_hits += part.cache_hits
         merged.pass_seconds += part.pass_seconds
-        for kind, graph in part.graphs.items():
-            merged.graphs[_free_key(merged.graphs, kind.split("#")[0])] = graph
+        for kind, entry in part.graphs.entries():
+            merged.graphs.put_entry(_free_key(merged.graphs, kind.split("#")[0]), entry)
     return merged
 
 

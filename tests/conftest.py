@@ -6,6 +6,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # rank_pool and the test modules, also in spawned ranks
 
+# Inductor checks that the C++ compiler builds its vector ISA (AVX2 here) by compiling and
+# loading a probe once per cache directory: 3-4 s of g++ for each of the suite's dozen or so
+# caches (rank pools, benchmark runs). Trust the CPU's flags instead: on this machine both
+# pick AVX2, and a compiler that could not build it fails every kernel loudly, not silently.
+# (Before torch is imported anywhere: Inductor's config reads it at import.)
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 from rank_pool import RankPool  # noqa: E402
 
 

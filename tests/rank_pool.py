@@ -80,10 +80,12 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, 
 
 # Ranks share 2 cores: one thread each, no Inductor compile sub-processes. Set for the fork server
 # too, so what torch reads at import time is what a rank started from scratch would read.
-RANK_ENVIRONMENT = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1"}
+# TORCHINDUCTOR_VEC_ISA_OK: see conftest.py (the same for every test process).
+RANK_ENVIRONMENT = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 
-# What every rank imports; the tests' own modules (light) are imported by the ranks that use them.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "commfuse_compile", "commfuse_compile.passes"]
+# What every rank imports (and warm_compiler: first-compile work done once); the tests' own
+# modules (light) are imported by the ranks that use them.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "commfuse_compile", "commfuse_compile.passes", "warm_compiler"]
 
 
 def _context() -> Any:

@@ -12,6 +12,7 @@ import torch.distributed._functional_collectives as funcol
 
 import commfuse_compile
 from commfuse_compile import Report, explain, fake_world
+from commfuse_compile.report import merge_reports
 
 WORLD = 8
 
@@ -52,8 +53,14 @@ def test_explain_without_codegen_records_the_same(report):
         return [(m.graph, m.kind, m.decision, m.reason, m.shapes, len(m.steps), m.fused) for m in r.matches]
 
     assert essence(planned) == essence(report)
+    # Copies, made GraphModules (their Python code generated) only when read, merged as they are.
+    unbuilt = [kind for kind, entry in planned.graphs.entries() if not isinstance(entry, torch.fx.GraphModule)]
+    assert unbuilt == ["forward", "backward"]
+    assert not any(isinstance(entry, torch.fx.GraphModule) for _, entry in merge_reports([planned]).graphs.entries())
     for kind, graph in planned.graphs.items():
         assert len(graph.graph.nodes) == len(report.graphs[kind].graph.nodes)
+    assert planned.graphs["backward"] is planned.graphs["backward"]
+    assert all(isinstance(entry, torch.fx.GraphModule) for _, entry in planned.graphs.entries())
 
 
 def test_explain_keeps_the_rewritten_graphs(report):
