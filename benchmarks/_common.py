@@ -6,7 +6,6 @@ because the script's own directory is first on ``sys.path`` (the tests put it th
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -18,7 +17,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Wall-clock start, handed to the benchmark's processes and re-executed children so that
@@ -72,25 +71,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of the block, then restore them.
-
-    (The fork server that starts the benchmarks' processes is started inside such a block: it
-    imports torch, which reads ``OMP_NUM_THREADS`` then.)
-    """
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 def rank_environment(cache_dir: str) -> dict[str, str]:
     """Environment of a benchmark rank: one thread, serial Inductor compiles, private cache."""
     return {
@@ -100,26 +80,14 @@ def rank_environment(cache_dir: str) -> dict[str, str]:
     }
 
 
-# What every benchmark process imports: loaded once by the fork server (``_context``), which
-# every rank and measurement is then forked from, instead of a few seconds of imports each.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "commfuse_compile", "commfuse_compile.passes"]
-
-
 def _context() -> Any:
-    """multiprocessing's forkserver context, its server started with torch imported.
+    """The context the benchmarks' processes start from: forked from a server that imported
+    torch once (one torch thread, serial Inductor compiles), each given its own environment
+    (``env``) before its target runs. A forked process is as fresh as a spawned one for what
+    the benchmarks measure: the server only imports modules."""
+    from commfuse_compile._forkserver import forkserver_context
 
-    A forked process is as fresh as a spawned one for what the benchmarks measure: the server
-    only imports modules (no compile, no process group, no CUDA), and each process gets its
-    own environment (``env``) before its target runs. The server's own environment is fixed
-    when it starts (one torch thread, serial Inductor compiles).
-    """
-    import multiprocessing.forkserver
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    with environment(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1"):
-        multiprocessing.forkserver.ensure_running()
-    return ctx
+    return forkserver_context(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
 
 
 def _rank_entry(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import multiprocessing as mp
-import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import queue
@@ -27,7 +26,6 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 
 def free_port() -> int:
@@ -83,18 +81,13 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, 
 # TORCHINDUCTOR_VEC_ISA_OK: see conftest.py (the same for every test process).
 RANK_ENVIRONMENT = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1"}
 
-# What every rank imports (and warm_compiler: first-compile work done once); the tests' own
-# modules (light) are imported by the ranks that use them.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "commfuse_compile", "commfuse_compile.passes", "warm_compiler"]
-
 
 def _context() -> Any:
-    """The forkserver context, its server started (once per process) with torch imported."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    with mock.patch.dict(os.environ, RANK_ENVIRONMENT):
-        multiprocessing.forkserver.ensure_running()
-    return ctx
+    """The forkserver context, its server started (once per process) with torch imported, and
+    warm_compiler: the first-compile work every rank would do, done once."""
+    from commfuse_compile._forkserver import forkserver_context
+
+    return forkserver_context(["warm_compiler"], **RANK_ENVIRONMENT)
 
 
 class RankPool:
