@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from ._compat import CustomInferenceAwareGraphPass, get_hash_for_files
-from .options import CommfuseOptions
+from .options import ENVIRONMENT_VARIABLE, CommfuseOptions, options_from_environment
 from .report import Report, new_report
 
 log = logging.getLogger("commfuse_compile")
@@ -46,6 +46,7 @@ class CommfusePass(CustomInferenceAwareGraphPass):
 
     def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
         from commfuse_compile.passes import graph_kind, run_pipeline
+        from commfuse_compile.passes.blame import describe_error
 
         from .explain import PostGradDone, stops_here
 
@@ -60,7 +61,7 @@ class CommfusePass(CustomInferenceAwareGraphPass):
                 raise
             message = (
                 f"commfuse: the pass failed on the {kind} graph, which is compiled unrewritten "
-                f"({type(err).__name__}: {err}); options={{'strict': True}} raises instead"
+                f"({describe_error(err)}); options={{'strict': True}} raises instead"
             )
             log.warning(message)
             self.report.errors.append(message)
@@ -113,7 +114,10 @@ def commfuse(
         gm: the Dynamo graph.
         example_inputs: its example inputs.
         options: see :class:`~commfuse_compile.options.CommfuseOptions`; unknown keys or bad
-            values raise ``ValueError`` naming the valid keys.
+            values raise ``ValueError`` naming the valid keys. Each key overrides the same key
+            of the environment variable ``COMMFUSE_OPTIONS`` (a JSON object of options, read
+            here, on every compile: the way to set options where a framework passes the
+            backend's name only).
         mode: ``torch.compile(..., mode=...)``: Inductor's options of that mode are applied
             (``"reduce-overhead"``: CUDA graphs; ``"max-autotune"``: autotuned kernels and CUDA
             graphs; ``"max-autotune-no-cudagraphs"``). torch.compile passes ``mode`` or
@@ -125,8 +129,10 @@ def commfuse(
 
     from .explain import run_rewritten
 
-    opts = CommfuseOptions.from_user(_with_mode(options, mode))
+    opts = CommfuseOptions.from_user(_with_mode(options, mode), environment=True)
     report = new_report({k: getattr(opts, k) for k in opts.valid_keys()})
+    if from_environment := options_from_environment():
+        log.info("commfuse compile %d: options from %s: %s", report.compile_id, ENVIRONMENT_VARIABLE, from_environment)
     hits_before = _cache_hits()
     compiled = compile_fx(
         gm,
@@ -142,7 +148,7 @@ def commfuse(
             report.compile_id,
             report.cache_hits,
         )
-    if not report.rewritten and not report.cache_hits:
+    if not report.rewritten and not report.cache_hits and not report.errors:  # (errors: warned already)
         reasons = "; ".join(sorted({s.reason for s in report.skipped})) or (
             "no all-gather, reduce-scatter or all-reduce in the graph (collectives issued outside compiled "
             "graphs, e.g. by FSDP2's hooks, never reach commfuse)"

@@ -87,7 +87,7 @@ def explain(
             "commfuse_compile.explain runs without communication: build the model and call it inside "
             "`with commfuse_compile.fake_world(world_size):`"
         )
-    CommfuseOptions.from_user(options)  # bad options fail here, naming the option
+    CommfuseOptions.from_user(options, environment=True)  # bad options fail here, naming the option (or COMMFUSE_OPTIONS)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"explain: device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and codegen:

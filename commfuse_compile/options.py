@@ -1,4 +1,8 @@
-"""User options of the ``commfuse`` backend: ``torch.compile(m, backend="commfuse", options={...})``."""
+"""User options of the ``commfuse`` backend: ``torch.compile(m, backend="commfuse", options={...})``,
+or, where a framework hands ``torch.compile`` a backend name only (torchtitan's
+``--compile.backend commfuse``), the environment variable ``COMMFUSE_OPTIONS`` holding a JSON
+object of the same options. Both are read when a graph is compiled; a key given in
+``options=`` overrides the same key of the variable."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "all_to_all")
 # torch.compile's modes as Inductor defines them (torch._inductor.list_mode_options), less
 # "lite": it turns Inductor's post-grad passes off, and the commfuse pass is one of them.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+ENVIRONMENT_VARIABLE = "COMMFUSE_OPTIONS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +84,17 @@ class CommfuseOptions:
         self._check()
 
     @classmethod
-    def from_user(cls, options: Mapping[str, Any] | CommfuseOptions | None) -> CommfuseOptions:
-        """Build options from what the user passed, raising a clear error for bad input."""
+    def from_user(cls, options: Mapping[str, Any] | CommfuseOptions | None, environment: bool = False) -> CommfuseOptions:
+        """Build options from what the user passed, raising a clear error for bad input.
+
+        ``environment``: start from the options in ``COMMFUSE_OPTIONS``
+        (:func:`options_from_environment`), each key given in ``options`` overriding it."""
+        if environment and (from_environment := options_from_environment()):
+            merged = {**from_environment, **_as_mapping(options)}
+            try:
+                return cls.from_user(merged)
+            except (TypeError, ValueError) as err:  # (each alone was valid: it is their mix)
+                raise ValueError(f"{err} (options={dict(_as_mapping(options))!r} over {ENVIRONMENT_VARIABLE}={from_environment!r})") from None
         if options is None:
             return cls()
         if isinstance(options, CommfuseOptions):
@@ -151,6 +165,37 @@ class CommfuseOptions:
     def cache_key(self) -> str:
         """A stable string covering every option (part of the Inductor cache key)."""
         return json.dumps(self.as_dict(), sort_keys=True, default=repr)
+
+
+def options_from_environment() -> dict[str, Any]:
+    """The options in the environment variable ``COMMFUSE_OPTIONS`` (a JSON object; ``{}`` when
+    it is unset or empty), validated as ``options=`` is: an error names the variable and the key."""
+    import os
+
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE} is not valid JSON ({err}): {text!r}; give a JSON object such as '{{\"schedule\": \"ring\"}}'") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"{ENVIRONMENT_VARIABLE} must hold a JSON object of commfuse options, got {text!r}; for example '{{\"schedule\": \"ring\"}}'")
+    try:
+        CommfuseOptions.from_user(options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={text!r}: {err}") from None
+    return options
+
+
+def _as_mapping(options: Mapping[str, Any] | CommfuseOptions | None) -> Mapping[str, Any]:
+    if options is None:
+        return {}
+    if isinstance(options, CommfuseOptions):
+        return options.as_dict()
+    if not isinstance(options, Mapping):  # (from_user names the type error)
+        CommfuseOptions.from_user(options)
+    return options
 
 
 def is_positive_number(value: Any) -> bool:

@@ -56,7 +56,7 @@ from commfuse_compile.schedules import flash_ag_steps, pieces_per_chunk, slice_p
 
 from .chunks import accumulate, assemble, chunk_problem, cut, in_layout, join, matmul_problem, output_axis, piece_product
 from .fusion import Fuse
-from .graph_utils import ADDMM, ALL_GATHER, MATMULS, SCALED_MM, WAIT, Emitter, aten, bytes_of, c10d, depends_on, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
+from .graph_utils import ADDMM, ALL_GATHER, DTYPE_VIEW, MATMULS, SCALED_MM, SPLITS, WAIT, Emitter, aten, bytes_of, c10d, depends_on, describe_users, divides, fake, hinted_shape, left_operand, right_operand, ring_exchange_op, same_shape, shape_of
 from .layout import after_permutes, reshape_chains, single_wait, split_cat, transpose_chains
 from .pattern import Pattern
 from .pieces import Pieces
@@ -81,6 +81,8 @@ class AllGatherMatmul(Pattern):
         if site.wait is None:
             return site.skip(f"all-gather is not read through a single wait_tensor (users: {describe_users(ag)})")
         site.tensor, site.dim = split_cat(site.wait, group_size, 0) or (site.wait, 0)
+        if fake(site.tensor).dtype != fake(site.wait).dtype:  # (chunks viewed as another dtype before the cat)
+            site.chunk_dtype = fake(site.tensor).dtype
         site.tensor, site.dim, permutation, site.layout = after_permutes(site.tensor, site.dim)
         if permutation != tuple(range(len(permutation))):
             site.permutation = permutation
@@ -93,6 +95,11 @@ class AllGatherMatmul(Pattern):
         if not consumers:
             if any(u.target is ADDMM and u.args[0] is site.tensor for u in site.tensor.users):
                 return site.skip("the gathered tensor is only added as an addmm bias: no matmul to overlap with")
+            if site.tensor is site.wait and len(site.wait.users) == 1 and next(iter(site.wait.users)).target in SPLITS:
+                return site.skip(
+                    f"the gathered tensor is split into its chunks, but they are not concatenated back in order by one cat "
+                    f"(the split's readers: {describe_users(next(iter(site.wait.users)))}): the gathered dim is not known"
+                )
             return site.skip(f"no matmul reads the gathered tensor (users: {describe_users(site.tensor)})")
         for consumer in consumers:
             if depends_on(consumer.other_operand(site.tensor), site.wait):
@@ -206,6 +213,10 @@ class _Pieces:
         self.outputs: list[list[fx.Node | None]] = [[None] * count for _ in site.consumers]
         self.partials: list[list[fx.Node]] = [[] for _ in site.consumers]
 
+    def as_gathered(self, emit: Emitter, received: fx.Node) -> fx.Node:
+        """A piece as it arrived (in the collective's dtype), as the gathered tensor's pieces are."""
+        return received if self.site.chunk_dtype is None else emit(DTYPE_VIEW, received, self.site.chunk_dtype)
+
     def compute(self, emit: Emitter, held: fx.Node, pieces: list[int], fused) -> list[fx.Node]:
         """Every consumer on ``held`` (the tensor's ``pieces``, in its layout), then what
         ``fused`` computes on them; returns the nodes that overlap the step's transfer."""
@@ -271,8 +282,8 @@ def _ring(graph: fx.Graph, site: Site, r: int, tags: itertools.count, fuse: Fuse
             starts = {mv.stream: emit(exchange, cur[mv.stream], mv.send_to, mv.recv_from, site.group_name, next(tags)) for mv in sub if mv.sends}
             computed = {}
             for mv in sub:
-                pieces.held[mv.piece] = cur[mv.stream]
-                computed[mv.stream] = pieces.compute(emit, cur[mv.stream], [mv.piece], fused)
+                pieces.held[mv.piece] = pieces.as_gathered(emit, cur[mv.stream])
+                computed[mv.stream] = pieces.compute(emit, pieces.held[mv.piece], [mv.piece], fused)
             for mv in sub:
                 wait = emit(WAIT, starts[mv.stream]) if mv.receives else None
                 site.steps.append(RingStep(chunk=mv.piece, compute=computed[mv.stream], start=starts.get(mv.stream), wait=wait))
@@ -295,7 +306,7 @@ def _sliced(graph: fx.Graph, site: Site, fuse: Fuse) -> None:
     for s in range(k):
         if s < k - 1:
             gathers.append(emit(ALL_GATHER, slices[s + 1], n, group))
-        gathered = _in_dim_layout(emit, waits[s], n, d)  # pieces (0, s) .. (N-1, s) along d
+        gathered = pieces.as_gathered(emit, _in_dim_layout(emit, waits[s], n, d))  # pieces (0, s) .. (N-1, s) along d
         carried = slice_pieces(n, k, s)
         for q, piece in zip(carried, cut(emit, gathered, d, n)):
             pieces.held[q] = piece

@@ -188,6 +188,7 @@ class GraphSnapshot:
             node.users.clear() if node.op != "placeholder" else None
         for node in body:
             graph.erase_node(node)
+        _free_names(graph, [n.name for n in self.saved.nodes if n.op != "placeholder"])
         placeholders = iter([n for n in graph.nodes if n.op == "placeholder"])
         env: dict[fx.Node, fx.Node] = {}
         for node in self.saved.nodes:
@@ -195,6 +196,15 @@ class GraphSnapshot:
                 env[node] = next(placeholders)
             else:
                 env[node] = graph.node_copy(node, env.__getitem__)
+
+
+def _free_names(graph: fx.Graph, names: list[str]) -> None:
+    """Let the nodes put back take their old names again (FX keeps an erased node's name
+    taken): the records and logs then name the nodes the user's graph has. A torch whose
+    namespace differs only gets other names."""
+    used = getattr(getattr(graph, "_graph_namespace", None), "_used_names", None)
+    if isinstance(used, set):
+        used.difference_update(names)
 
 
 def frozen(value: Any) -> Any:

@@ -85,7 +85,10 @@ def single_wait(node: fx.Node, also_output: bool = False) -> fx.Node | None:
 
 def split_cat(tensor: fx.Node, pieces: int, split_dim: int) -> tuple[fx.Node, int] | None:
     """If ``tensor`` is only read by ``pieces`` equal pieces along ``split_dim`` (a split and its
-    getitems, or slices) that one ``cat`` concatenates in order: that cat and its dim."""
+    getitems, or slices) that one ``cat`` concatenates in order: that cat and its dim. Each
+    piece may be viewed as another dtype of the same element size on the way, all alike (fp8
+    gathered as uint8: PyTorch's async-TP form views each chunk back before the cat); the cat
+    then has that dtype."""
     ndim = fake(tensor).dim()
     size = fake(tensor).shape[split_dim] // pieces
     users = list(tensor.users)
@@ -102,6 +105,9 @@ def split_cat(tensor: fx.Node, pieces: int, split_dim: int) -> tuple[fx.Node, in
                 return None
     else:
         return None
+    parts = [_through_dtype_views(part) for part in parts]
+    if len({fake(part).dtype for part in parts}) != 1:
+        return None
     cats = {user for part in parts for user in part.users}
     if len(cats) != 1 or any(len(part.users) != 1 for part in parts):
         return None
@@ -109,6 +115,13 @@ def split_cat(tensor: fx.Node, pieces: int, split_dim: int) -> tuple[fx.Node, in
     if cat.target is not aten.cat.default or list(cat.args[0]) != parts:
         return None
     return cat, dim_arg(cat, 1) % fake(cat).dim()
+
+
+def _through_dtype_views(node: fx.Node) -> fx.Node:
+    """``node``, or the last of the same-size dtype views that are its only reader in turn."""
+    while len(node.users) == 1 and is_same_size_dtype_view(user := next(iter(node.users))):
+        node = user
+    return node
 
 
 def split_cat_source(cat: fx.Node) -> tuple[fx.Node, int] | None:

@@ -42,30 +42,30 @@ class Pattern:
     collectives: ClassVar[frozenset]  # the collective ops whose sites this pattern makes
 
     def match(self, node: fx.Node, graph_kind: str) -> Site:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define match()")
 
     def keep_computable(self, site: Site, tensor: list[int]) -> str | None:
         """Drop (or refuse) matmuls that cannot be cut into the N chunks; why the whole site
         cannot be rewritten, if so."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define keep_computable()")
 
     def cut_problem(self, site: Site, tensor: list[int], consumer: Consumer, count: int) -> str | None:
         """Why ``consumer`` cannot be computed in ``count`` pieces of the site's tensor, if so."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define cut_problem()")
 
     def schedule_problem(self, schedule: str, m: int) -> str | None:
         """Why the pattern has no rewrite under ``schedule`` with m pieces, if so (None by default)."""
         return None
 
     def workload(self, site: Site) -> Workload:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define workload()")
 
     def describe(self, site: Site) -> str:
         """Extra words for the reason of a rewritten site ("" by default)."""
         return ""
 
     def emit(self, graph: fx.Graph, site: Site, rank: int, tags: itertools.count, fuse: Fuse) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define emit()")
 
     def reserved(self, site: Site) -> set[fx.Node]:
         """The nodes of a match: its collective, wait and tensor, and its matmuls with the views

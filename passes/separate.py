@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from commfuse_compile.piece import CONTIGUOUS, PIECE
 
-from .graph_utils import RESHAPES, aten, fake, ring_exchange_op
+from .graph_utils import RESHAPES, aten, fake, ring_exchange_op, same_shape, same_size
 from .rowlocal import VIEWS
 from .site import Site
 
@@ -124,6 +124,65 @@ def _compute_pointwise_on_pieces(
                 owner[node] = site
             work.extend(new_pieces)
         graph.erase_node(whole)
+
+
+def part_of_cat(tensor: fx.Node, dim: int, start: Any, end: Any) -> fx.Node | None:
+    """The input of a ``cat`` that the piece ``(tensor, dim, start, end)`` is exactly, where
+    ``tensor`` is that cat's result through views that undo each other; else None.
+
+    Another ring's steps put their results together with a cat: a piece of it that is one
+    step's result can be read from that step alone (:mod:`.order` does, where reading all of
+    it would keep two rings waiting for each other)::
+
+        y = cat([y0, y1], 1);  piece(reshape(reshape(y, [64, 384]), [2, 32, 384]), 1, 16, 32)   →   y1
+    """
+    base = _through_undone_views(tensor)
+    if base is None or base.target is not aten.cat.default:
+        return None
+    parts, cat_dim = base.args[0], base.args[1] if len(base.args) > 1 else 0
+    rank = fake(base).dim()
+    if (cat_dim % rank) != (dim % rank):
+        return None
+    offset = 0
+    for part in parts:
+        size = fake(part).shape[cat_dim]
+        if same_size(offset, start) and same_size(offset + size, end):  # (a cat's parts agree on every other dim)
+            return part
+        offset = offset + size
+    return None
+
+
+def _through_undone_views(tensor: fx.Node) -> fx.Node | None:
+    """The nearest node above ``tensor`` from which the reshapes and permutes between them
+    undo each other (``tensor`` holds its values in its shape), if any other than ``tensor``."""
+    chain: list[fx.Node] = []
+    node = tensor
+    while node.target in RESHAPES or node.target is aten.permute.default:
+        chain.append(node)
+        node = node.args[0]
+        if _undone(list(reversed(chain))):
+            return node
+    return None
+
+
+def _undone(views: list[fx.Node]) -> bool:
+    """Whether applying ``views`` in turn (each reads the one before) gives back the first one's
+    input: consecutive reshapes merge and a reshape to its input's shape does nothing;
+    consecutive permutes compose and the identity does nothing."""
+    # Each view as (kind, shape before, shape after, permutation).
+    ops = [
+        ("permute", (), (), tuple(d % fake(v).dim() for d in v.args[1])) if v.target is aten.permute.default else ("reshape", tuple(fake(v.args[0]).shape), tuple(fake(v).shape), None)
+        for v in views
+    ]
+    merged: list[tuple] = []
+    for op in ops:
+        if merged and merged[-1][0] == op[0]:
+            kind, shape_in, _, first = merged.pop()
+            op = (kind, shape_in, op[2], tuple(first[i] for i in op[3]) if kind == "permute" else None)
+        identity = op[3] == tuple(range(len(op[3]))) if op[0] == "permute" else same_shape(op[1], op[2])
+        if not identity:
+            merged.append(op)
+    return not merged
 
 
 def _piece(graph: fx.Graph, made: dict[tuple, fx.Node], key: tuple, before: fx.Node, meta: dict | None = None) -> fx.Node:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import torch
 import torch.fx as fx
 
 from .graph_utils import fake, left_operand, right_operand
@@ -98,6 +99,10 @@ class Site:
     # is the shard permuted so; reduce-scatter, the result is the logical chunk permuted so.
     permutation: tuple[int, ...] | None = None
     layout: list[fx.Node] = dataclasses.field(default_factory=list)  # copies / permutes between them
+    # Flash-AG: the dtype the gathered chunks are viewed as between the split and the cat (fp8
+    # transferred as uint8), None if they are not: pieces travel as the collective's dtype and
+    # are computed on as this one.
+    chunk_dtype: torch.dtype | None = None
     reduce_op: str = "sum"  # reduce-scatter: "sum" or "avg"
     consumers: list[Consumer] = dataclasses.field(default_factory=list)
     # Flash-AG: the row-local ops between the gathered tensor and its consumers' sources
@@ -119,6 +124,10 @@ class Site:
     emitted: list[fx.Node] = dataclasses.field(default_factory=list, repr=False)  # those nodes
     modeled: tuple = ()  # cost_model.Estimate of vanilla and of the chosen (or best) schedule
     steps: list[RingStep] = dataclasses.field(default_factory=list)
+    # Which collective this is, in terms that survive the graph being put back and matched again
+    # (node names do not): its index among the graph's matched collectives, and for the halves
+    # of a split all-reduce, which half. Set by the pipeline.
+    key: tuple = ()
 
     def skip(self, reason: str) -> Site:
         self.decision, self.reason = "skip", reason

@@ -269,6 +269,19 @@ def scaled_rowwise(x, w1, w2):
     return _scaled(x, w1, w2, rowwise=True)
 
 
+def scaled_sequence(x, w1, w2):
+    """fp8 gathered along the sequence (dim 1 of [B, S/N, H]) in the form PyTorch's async TP
+    matches: the bytes gathered as uint8 on dim 0, each rank's chunk viewed as fp8 between the
+    split and the cat; a tensorwise ``_scaled_mm`` on the gathered rows, one on the scattered."""
+    n = dist.get_world_size()
+    gathered = funcol.all_gather_tensor(x.to(FP8).view(torch.uint8), 0, _group())  # [N·B, S/N, H]
+    a = torch.cat([chunk.view(FP8) for chunk in gathered.chunk(n, 0)], 1)  # [B, S, H]
+    scales = [torch.full((), s) for s in (0.75, 0.5, 1.25, 2.0)]
+    h = torch._scaled_mm(a.flatten(0, 1), _fp8_columns(w1), scales[0], scales[1], out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(torch.relu(h).to(FP8), _fp8_columns(w2), scales[2], scales[3], out_dtype=torch.bfloat16)
+    return funcol.reduce_scatter_tensor(y.view(a.shape[0], a.shape[1], -1), "sum", 1, _group())
+
+
 PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     # name: (program, per-rank activation shape)
     "canonical": (canonical, (12, 16)),
@@ -285,13 +298,14 @@ PROGRAMS: dict[str, tuple[Callable, tuple[int, ...]]] = {
     "saved_scatter": (saved_scatter, (12, 16)),
     "scaled_tensorwise": (scaled_tensorwise, (16, 16)),
     "scaled_rowwise": (scaled_rowwise, (16, 16)),
+    "scaled_sequence": (scaled_sequence, (2, 8, 16)),  # sharded on dim 1
     "plain_tp": (plain_tp, (2, 16, 16)),  # replicated
     "expert_parallel": (expert_parallel, (0, 16)),  # [N·C, H]: C = 4 tokens per expert (below)
     "ulysses": (ulysses, (8, 16)),
 }
-SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1}
+SHARD_DIM = {"sequence_parallel": 1, "attention": 1, "spmd_layout": 1, "last_dim": 1, "scaled_sequence": 1}
 REPLICATED = {"plain_tp"}  # the activation is the same on every rank
-FORWARD_ONLY = {"averaged", "scaled_tensorwise", "scaled_rowwise"}  # (no backward: funcol's "avg", CPU _scaled_mm)
+FORWARD_ONLY = {"averaged", "scaled_tensorwise", "scaled_rowwise", "scaled_sequence"}  # (no backward: funcol's "avg", CPU _scaled_mm)
 HIDDEN, FFN = 16, 32
 
 

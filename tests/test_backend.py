@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from importlib.metadata import entry_points
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
+from graphs import post_grad_graphs, rewrite_as
 from torch._inductor.utils import run_and_get_code
 
 import commfuse_compile
@@ -101,26 +103,134 @@ def _failing_rewrite(*args, **kwargs):
     raise RuntimeError("injected rewrite failure")
 
 
-def test_pass_failure_warns_and_compiles_unrewritten(world, monkeypatch, caplog):
+def gather_matmul_scatter(group):
+    """Two sites: an all-gather → matmul and a matmul → reduce-scatter."""
+
+    def f(x, w1, w2):
+        return funcol.reduce_scatter_tensor(funcol.all_gather_tensor(x, 0, group) @ w1 @ w2, "sum", 0, group)
+
+    return f
+
+
+def _fail_on(pattern: str, stage_function):
+    """``stage_function`` raising for the sites of ``pattern`` only."""
+
+    def failing(graph_or_site, *args, **kwargs):
+        site = next(a for a in (graph_or_site, *args) if hasattr(a, "pattern"))
+        if site.pattern == pattern and site.decision != "skip":
+            raise AssertionError()  # (no message: the record must still say what failed)
+        return stage_function(graph_or_site, *args, **kwargs)
+
+    return failing
+
+
+@pytest.mark.parametrize("stage", ["planning", "emitting"])
+def test_a_site_failure_costs_that_site_only(world, monkeypatch, caplog, stage):
+    import commfuse_compile.passes as passes
+
+    name = {"planning": "plan_site", "emitting": "rewrite_site"}[stage]
+    monkeypatch.setattr(passes, name, _fail_on("matmul_reduce_scatter", getattr(passes, name)))
+    inner = {"planning": 10, "emitting": 12}[stage]  # (shapes no other test compiles: no cache hit)
+    inputs = torch.randn(4, inner), torch.randn(inner, 8), torch.randn(8, 4)
+    with caplog.at_level(logging.WARNING, logger="commfuse_compile"):
+        code = compiled_code(gather_matmul_scatter(world), "commfuse", *inputs)
+    report = commfuse_compile.last_report()
+    assert [s.pattern for s in report.rewritten] == ["all_gather_matmul"]
+    (skipped,) = report.skipped
+    assert skipped.pattern == "matmul_reduce_scatter"
+    assert f"the pass failed while {stage} this site (AssertionError with no message, raised at test_backend.py:" in skipped.reason
+    assert "ring_exchange" in code and "reduce_scatter_tensor" in code
+    (error,) = report.errors
+    assert "reduce_scatter_tensor" in error and stage in error
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "1 site(s) of the inference graph" in warnings[0] and "reduce_scatter_tensor" in warnings[0], warnings
+
+
+def test_a_site_failure_raises_in_strict_mode(world, monkeypatch):
     import commfuse_compile.passes as passes
 
     monkeypatch.setattr(passes, "rewrite_site", _failing_rewrite)
-    # Shapes no other test compiles: a cache hit would skip the pass (and the injected failure).
+    with pytest.raises(Exception, match="all_gather_into_tensor.*injected rewrite failure"):
+        compiled_code(gather_matmul(world), "commfuse", torch.randn(4, 5), torch.randn(5, 4), options={"strict": True})
+
+
+def test_a_graph_failure_warns_once_and_compiles_unrewritten(world, monkeypatch, caplog):
+    """A failure outside any one site's part (here a stage over all sites) costs the graph."""
+    import commfuse_compile.passes as passes
+
+    monkeypatch.setattr(passes, "separate_pieces", _failing_rewrite)
     f, x, w = gather_matmul(world), torch.randn(4, 6), torch.randn(6, 4)
     with caplog.at_level(logging.WARNING, logger="commfuse_compile"):
         code = compiled_code(f, "commfuse", x, w)
     assert "ring_exchange" not in code and "all_gather_into_tensor" in code
     report = commfuse_compile.last_report()
     assert report.errors and "injected rewrite failure" in report.errors[0]
-    assert any("compiled unrewritten" in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compiled unrewritten" in warnings[0], warnings
 
 
-def test_pass_failure_raises_in_strict_mode(world, monkeypatch):
-    import commfuse_compile.passes as passes
+def test_environment_options_merge_under_explicit_ones(world, monkeypatch):
+    from commfuse_compile.options import ENVIRONMENT_VARIABLE
 
-    monkeypatch.setattr(passes, "rewrite_site", _failing_rewrite)
-    with pytest.raises(Exception, match="injected rewrite failure"):
-        compiled_code(gather_matmul(world), "commfuse", torch.randn(4, 5), torch.randn(5, 4), options={"strict": True})
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, '{"schedule": "bidirectional", "chunks_per_rank": 2}')
+    merged = CommfuseOptions.from_user({"chunks_per_rank": 1}, environment=True)
+    assert (merged.schedule, merged.chunks_per_rank) == ("bidirectional", 1)
+    assert CommfuseOptions.from_user({"chunks_per_rank": 1}).schedule == "auto"  # (only where asked)
+    # Read when a graph is compiled, by the backend and by explain alike.
+    f, inputs = gather_matmul(world), (torch.randn(4, 9), torch.randn(9, 4))
+    torch._dynamo.reset()
+    torch.compile(f, backend="commfuse")(*inputs)
+    report = commfuse_compile.last_report()
+    assert report.options["schedule"] == "bidirectional" and report.options["chunks_per_rank"] == 2
+    assert {s.schedule for s in report.rewritten} == {"bidirectional"}
+    torch._dynamo.reset()
+    torch.compile(f, backend="commfuse", options={"schedule": "ring"})(*inputs)
+    assert {s.schedule for s in commfuse_compile.last_report().rewritten} == {"ring"}
+
+
+def test_environment_options_are_in_the_cache_key_and_plan_check(world, monkeypatch):
+    from commfuse_compile.options import ENVIRONMENT_VARIABLE
+
+    def key() -> str:
+        return CommfusePass(CommfuseOptions.from_user(None, environment=True), new_report({})).uuid()
+
+    plain = key()
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, '{"schedule": "ring"}')
+    assert key() != plain
+    # The plan check compares the options the graph was planned with: the merged ones.
+    graph = post_grad_graphs(gather_matmul(world), torch.randn(4, 8), torch.randn(8, 4), backward=False)["inference"]
+    options = CommfuseOptions.from_user({"chunks_per_rank": 2}, environment=True)
+    rewritten, _, _ = rewrite_as(graph, 1, "inference", **options.as_dict())
+    (check,) = [n for n in rewritten.nodes if "check_plan" in str(n.target)]
+    planned = json.loads(check.args[0])["options"]
+    assert (planned["schedule"], planned["chunks_per_rank"]) == ("ring", 2)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "COMMFUSE_OPTIONS is not valid JSON"),
+        ('["ring"]', "COMMFUSE_OPTIONS must hold a JSON object"),
+        ('{"chunks": 2}', "COMMFUSE_OPTIONS='\\{\"chunks\": 2\\}': unknown commfuse option.*'chunks'"),
+        ('{"strict": "yes"}', "COMMFUSE_OPTIONS=.*'strict' must be True or False"),
+    ],
+)
+def test_bad_environment_options_name_the_variable_and_key(world, monkeypatch, text, message):
+    from commfuse_compile.options import ENVIRONMENT_VARIABLE
+
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, text)
+    with pytest.raises(ValueError, match=message):
+        CommfuseOptions.from_user(None, environment=True)
+    with pytest.raises(Exception, match=message):  # (the compile fails, as for options=)
+        compiled_code(gather_matmul(world), "commfuse", torch.randn(4, 8), torch.randn(8, 4))
+
+
+def test_explicit_option_mixed_badly_with_the_environment_names_both(monkeypatch):
+    from commfuse_compile.options import ENVIRONMENT_VARIABLE
+
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, '{"chunks_per_rank": 2}')
+    with pytest.raises(ValueError, match="'chunks_per_rank' has no effect with schedule='off'.*options=\\{'schedule': 'off'\\} over COMMFUSE_OPTIONS=\\{'chunks_per_rank': 2\\}"):
+        CommfuseOptions.from_user({"schedule": "off"}, environment=True)
 
 
 def test_op_by_op_stops_after_the_pass(world, monkeypatch):

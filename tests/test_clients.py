@@ -130,3 +130,16 @@ def test_dynamic_batch_keeps_every_rewrite(world):
     assert rewritten[0] == rewritten[1] and sum(rewritten[1].values()) == 18, rewritten
     assert symbolic[:2] == [False, True]  # batch 3: the same sites, planned with the batch a symbol
     assert rewritten[2] is None  # batch 5 reuses the symbolic graphs
+
+
+def test_hf_gradient_checkpointing_under_tp_is_not_compiled_by_torch(world):
+    """README, coverage by client: Hugging Face's ``gradient_checkpointing_enable()`` under its
+    TP plan fails in AOTAutograd under every backend on torch 2.13 (here ``aot_eager``, no
+    commfuse involved): the DeviceMesh the checkpointed TP hooks read is saved for backward
+    among the tensors. When this test fails, torch compiles it: cover it like the other clients."""
+    model, (input_ids,) = BUILDERS["hf_llama"](WORLD)
+    model.model.gradient_checkpointing_enable()
+    torch._dynamo.reset()
+    with pytest.raises(AssertionError, match="expected all tensors_saved_with_vc_check to be Tensors.*DeviceMesh"):
+        torch.compile(model, backend="aot_eager")(input_ids).sum().backward()
+    torch._dynamo.reset()

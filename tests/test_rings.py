@@ -47,6 +47,8 @@ EXPECTED_SITES = {
     # fp8: the uint8 gather viewed back as fp8 feeds a _scaled_mm; a _scaled_mm feeds the scatter.
     "scaled_tensorwise": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
     "scaled_rowwise": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
+    # fp8 gathered on the sequence dim, each uint8 chunk viewed as fp8 between the split and the cat.
+    "scaled_sequence": [("inference", "all_gather_matmul", "rewritten"), ("inference", "matmul_reduce_scatter", "rewritten")],
     # Forward: the gather along x's last (contraction) dim; backward: its reduce-scatter along
     # the last dim (output columns).
     "last_dim": REWRITTEN_EVERYWHERE,
@@ -104,7 +106,7 @@ def test_ring_exchange_does_not_leak_work(ranks):
 # The fp8 programs take bf16 inputs (their products are bf16).
 CASES = [(p, "fp32") for p in EXPECTED_SITES if p not in ("attention", "batch1_view", "sequence_parallel") and not p.startswith("scaled")] + [
     (p, "bf16")
-    for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim", "scaled_rowwise", "plain_tp", "expert_parallel", "ulysses")
+    for p in ("canonical", "sequence_parallel", "weight_gather", "row_local", "attention", "averaged", "last_dim", "scaled_rowwise", "scaled_sequence", "plain_tp", "expert_parallel", "ulysses")
 ]
 
 
@@ -224,6 +226,7 @@ SCHEDULE_CASES = [
     ("last_dim", "fp32", "bidirectional", 1, True),  # contraction-dim gather, column scatter
     ("scaled_rowwise", "bf16", "bidirectional", 2, True),  # fp8: rowwise scales cut with their rows
     ("scaled_tensorwise", "bf16", "slicing", 2, True),
+    ("scaled_sequence", "bf16", "slicing", 2, True),  # the chunks' dtype view on each sliced gather
     ("plain_tp", "bf16", "bidirectional", 2, True),  # all-reduces split, the norm per piece
     ("plain_tp", "fp32", "slicing", 2, False),
 ]

@@ -290,6 +290,37 @@ def test_gather_along_the_last_dim(world):
     assert site.action == "rewritten" and (site.dim, site.shapes.get("contraction0")) == (0, [3, 16]), (site.reason, site.shapes)
 
 
+def test_fp8_sequence_gather_with_chunks_viewed_between_split_and_cat(world):
+    """PyTorch's async-TP fp8 form on dim 1 of [B, S/N, H]: the bytes gathered as uint8, each
+    chunk viewed as fp8 between the split and the cat. The ring carries uint8 pieces (gloo and
+    NCCL send no fp8) and every step's _scaled_mm reads its piece viewed as fp8."""
+    fp8 = torch.float8_e4m3fn
+
+    def f(x, w):
+        gathered = funcol.all_gather_tensor(x.to(fp8).view(torch.uint8), 0, world)
+        a = torch.cat([chunk.view(fp8) for chunk in gathered.chunk(WORLD, 0)], 1)
+        w8 = w.to(fp8).t().contiguous().t()
+        return torch._scaled_mm(a.flatten(0, 1), w8, torch.full((), 0.5), torch.full((), 2.0), out_dtype=torch.bfloat16)
+
+    graph = post_grad_graphs(f, torch.randn(2, 4, 16), torch.randn(16, 8), backward=False)["inference"]
+    for rank in (0, 5):
+        rewritten, (site,), _ = rewrite_as(graph, rank, "inference")
+        assert site.decision == "rewrite" and site.dim == 1 and site.chunk_dtype == fp8, site.reason
+        assert {exchange_args(node)[0].meta["val"].dtype for node in ring_exchanges(rewritten)} == {torch.uint8}
+        for step in site.steps:
+            (scaled,) = [node for node in step.compute if unpinned(node)[0] is torch.ops.aten._scaled_mm.default]
+            assert unpinned(scaled)[1][0].meta["val"].dtype == fp8
+
+
+def test_skip_chunks_not_concatenated_back_says_so(world):
+    def f(x, w):
+        first, *_others = funcol.all_gather_tensor(x, 0, world).chunk(WORLD, 0)
+        return first @ w
+
+    (site,) = _sites_of(f, torch.randn(4, 8), torch.randn(8, 4))
+    assert site.action == "skipped" and "split into its chunks, but they are not concatenated back in order by one cat" in site.reason, site.reason
+
+
 def test_skip_right_operand_depends_on_gather(world):
     def f(x):
         h = funcol.all_gather_tensor(x, 0, world)
