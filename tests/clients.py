@@ -371,6 +371,48 @@ def _hf_build(model_cls: Any, config: Any, world_size: int, batch: int, seq: int
     return model, (input_ids,)
 
 
+def _aot_rng_states_before_opaque_objects() -> None:
+    """Workaround for torch 2.13's AOTAutograd, installed by ``gradient_checkpointing=True``
+    (process-wide, once; a graph without the bug is partitioned exactly as before).
+
+    Under Hugging Face's ``gradient_checkpointing_enable()`` with its TP plan, the checkpointed
+    layers read the DeviceMesh (an opaque graph input, saved for backward) and hold a
+    recomputed random op (attention dropout, p = 0). The partitioner's
+    ``functionalize_rng_ops`` appends the random op's saved RNG state after the saved opaque
+    objects, where the runtime expects only opaque objects and symbols: the first forward
+    fails under every backend (``expected all tensors_saved_with_vc_check to be Tensors``).
+    Here the RNG states go before the opaque objects, among the saved tensors, in the forward's
+    outputs and the backward's inputs alike."""
+    import torch._functorch.partitioners as partitioners
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node
+
+    if getattr(partitioners.functionalize_rng_ops, "_commfuse_tests", False):
+        return
+    original = partitioners.functionalize_rng_ops
+
+    def functionalize_rng_ops(joint_module: Any, fw_module: Any, bw_module: Any, num_sym_nodes: int) -> Any:
+        outputs = next(iter(fw_module.graph.find_nodes(op="output"))).args[0]
+        saved = outputs[: len(outputs) - num_sym_nodes]
+        opaque = 0
+        while opaque < len(saved) and is_opaque_node(saved[len(saved) - 1 - opaque]):
+            opaque += 1
+        inputs_before = {node.name for node in bw_module.graph.find_nodes(op="placeholder")}
+        # (the states are inserted before the last ``num_sym_nodes`` outputs: count the opaque ones too)
+        fw_module, bw_module = original(joint_module, fw_module, bw_module, num_sym_nodes + opaque)
+        placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+        first_opaque = next((node for node in placeholders if is_opaque_node(node)), None)
+        if opaque and first_opaque is not None:
+            for node in placeholders:
+                if node.name not in inputs_before:  # the RNG states, placed before the tangents
+                    first_opaque.prepend(node)
+            bw_module.recompile()
+        return fw_module, bw_module
+
+    functionalize_rng_ops._commfuse_tests = True
+    functionalize_rng_ops.original = original
+    partitioners.functionalize_rng_ops = functionalize_rng_ops
+
+
 def build_hf_llama(
     world_size: int,
     *,
@@ -382,6 +424,7 @@ def build_hf_llama(
     vocab: int = 512,
     batch: int = BATCH,
     seq: int = SEQ,
+    gradient_checkpointing: bool = False,
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Hugging Face transformers ``LlamaForCausalLM`` from a ``LlamaConfig`` (random init, no
     download), sharded with its stock TP plan: q/k/v/gate/up ``colwise``, o/down ``rowwise``
@@ -396,6 +439,10 @@ def build_hf_llama(
     not installed), so the builder calls its two distribution steps directly (see
     :func:`_hf_distribute`) on a model built from the config. ``use_cache=False`` and
     ``attn_implementation="sdpa"`` are set in the config.
+
+    ``gradient_checkpointing``: ``model.gradient_checkpointing_enable()``, as its users turn it on
+    (each decoder layer recomputed in backward), and a workaround for torch 2.13's AOTAutograd
+    that every backend needs for it (:func:`_aot_rng_states_before_opaque_objects`).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -410,7 +457,11 @@ def build_hf_llama(
         use_cache=False,
         attn_implementation="sdpa",
     )
-    return _hf_build(LlamaForCausalLM, config, world_size, batch, seq)
+    model, inputs = _hf_build(LlamaForCausalLM, config, world_size, batch, seq)
+    if gradient_checkpointing:
+        _aot_rng_states_before_opaque_objects()
+        model.model.gradient_checkpointing_enable()
+    return model, inputs
 
 
 def build_hf_qwen3(

@@ -1,7 +1,8 @@
 """Real clients trained on gloo ranks: compiled with commfuse, equal to the same client eagerly.
 
 torchtitan 0.3.0's Llama3 (both SPMD backends), dense Qwen3 and Qwen3 MoE (``spmd_types``, its
-default) under their own TP + SP code, and Hugging Face's Llama and Qwen3 under their stock TP
+default) under their own TP + SP code, and Hugging Face's Llama (also with
+``gradient_checkpointing_enable()``) and Qwen3 under their stock TP
 plans (every all-reduce split into Flash-RS and Flash-AG), at world sizes 2 and 4
 (``tests/clients.py``): 2 SGD steps compiled (``schedule="ring"``) and 2 eagerly from the same
 initial weights; every rank's parameters (its own shards) and losses must agree, and the number
@@ -93,6 +94,8 @@ CLIENTS = {  # case: (builder, its arguments, sites rewritten, compiled by Induc
     "titan_qwen3-spmd_types": ("titan_qwen3", {"spmd_backend": "spmd_types"}, DENSE, False),
     "titan_qwen3_moe-spmd_types": ("titan_qwen3_moe", {"spmd_backend": "spmd_types"}, {AG: 7, RS: 5}, False),
     "hf_llama": ("hf_llama", {}, {AR: 16, RS: 15, AG: 9}, False),
+    # gradient_checkpointing_enable(): the layers' all-reduces again in backward (recomputed), split too
+    "hf_llama-gradient_checkpointing": ("hf_llama", {"gradient_checkpointing": True}, {AR: 19, RS: 18, AG: 11}, False),
     "hf_qwen3": ("hf_qwen3", {}, {AR: 16, RS: 15, AG: 9}, False),
 }
 
