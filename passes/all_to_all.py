@@ -5,6 +5,10 @@ Matches (post-grad aten graph, functional collectives)::
     all_to_all_single(x, splits, splits, group) -> wait_tensor     equal splits: x is N blocks
                                                                    of dim 0
 
+Left alone: an all-to-all whose result is read on the host within a few ops (MoE routing's
+token-count exchange, read by ``.tolist()`` for the next all-to-all's splits): the host waits
+for all of it, and steps would only add latency before that sync.
+
 Block j of ``x`` goes to rank j, and the block received from rank j lands at block j of the
 result. Ops row-local in dim 0 next to it are computed block by block (:mod:`.regions`): *after*
 it (the expert FFN on the tokens received from rank j in an MoE dispatch, the layout ops and
@@ -66,6 +70,11 @@ class AllToAll(Pattern):
         site = Site(self.name, graph_kind, node, single_wait(node), group_name, n)
         site.shapes["input"] = shape_of(x)
         site.tensor, site.dim = x, 0
+        if (host := read_on_host(node)) is not None:
+            return site.skip(
+                f"its result is read on the host ({host.name}: .tolist() / .item(), as MoE routing reads its "
+                f"token-count exchange): decomposing it would only delay that sync"
+            )
         if site.wait is None:
             return site.skip(f"all-to-all is not read through a single wait_tensor (users: {describe_users(node)})")
         rows = fake(x).shape[0]
@@ -154,6 +163,21 @@ class AllToAll(Pattern):
 
     def reserved(self, site: Site) -> set[fx.Node]:
         return _own(site)
+
+
+HOST_READ = aten._local_scalar_dense.default
+HOST_READ_DEPTH = 6  # (torchtitan: wait → wait → sum → select → _local_scalar_dense)
+
+
+def read_on_host(node: fx.Node) -> fx.Node | None:
+    """A ``_local_scalar_dense`` (``.item()``, ``.tolist()``) within a few ops after ``node``,
+    if any: its result goes to the host, and the host waits for all of it."""
+    frontier, seen = [node], {node}
+    for _ in range(HOST_READ_DEPTH):
+        frontier = [user for current in frontier for user in current.users if user not in seen and not seen.add(user)]
+        if (found := next((user for user in frontier if user.target is HOST_READ), None)) is not None:
+            return found
+    return None
 
 
 def regions(site: Site, count: int, reserved: set[fx.Node]) -> tuple[Region | None, Region | None]:

@@ -484,6 +484,26 @@ def test_all_to_all_steps_and_peers_of_every_rank(world):
                 assert any(unpinned(n)[0] is torch.ops.aten.mm.default for n in dispatch.steps[1].compute)
 
 
+def test_token_count_exchange_is_never_decomposed(world):
+    """MoE routing's count exchange: its result goes to the host (``.tolist()``, the next
+    all-to-all's splits), so steps would only delay that sync. A row-local matmul reads it too,
+    which would otherwise make it a Flash-All-to-All under ``schedule="ring"``."""
+    torch._dynamo.config.capture_scalar_outputs = True
+
+    def route(counts, x, m):
+        received = funcol.all_to_all_single(counts.view(WORLD, -1), [1] * WORLD, [1] * WORLD, world)
+        out_splits = received.sum(1).tolist()
+        tokens = funcol.all_to_all_single(x, out_splits, counts.view(WORLD, -1).sum(1).tolist(), world)
+        return tokens, received.float() @ m
+
+    counts = torch.full((WORLD * 2,), 2, dtype=torch.int64)
+    report = commfuse_compile.explain(route, counts, torch.randn(WORLD * 4, 8), torch.randn(2, 8), options={"schedule": "ring"}, codegen=False)
+    count, tokens = report.sites
+    assert count.action == "skipped" and "is read on the host (_local_scalar_dense" in count.reason, count.reason
+    assert "decomposing it would only delay that sync" in count.reason
+    assert tokens.action == "skipped" and "splits known only at run time" in tokens.reason
+
+
 def test_ulysses_steps_compute_projections_and_query_split_attention(world):
     """Ulysses at world size 8: before each of the q / k / v all-to-alls, every step computes
     the projection of the head group it sends (a column block of the weight, one per step);
