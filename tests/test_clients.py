@@ -6,7 +6,7 @@ fake process group with ``explain(codegen=False)`` — the pass runs on the real
 and backward graphs; no kernel is generated. The counts are exact: a change in what commfuse
 rewrites in a client's graphs fails here.
 
-What is left alone, and why (README, "Coverage by client"):
+What is left alone, and why (docs/coverage.md, "Coverage by client"):
 - torchtitan, the embedding's reduce-scatter and its gradient's all-gather: the embedding is a
   row lookup, not a matmul (``produced by mul.Tensor`` / ``no matmul reads the gathered tensor``).
 - torchtitan MoE: the experts' output is scattered back to the tokens (``deterministic_scatter_add``,
