@@ -225,6 +225,26 @@ def _next_result(results: mp.Queue, procs: Sequence[Any], timeout: float) -> Any
             raise RuntimeError(f"no answer within {timeout:.0f}s")
 
 
+def schedule_of(code: str) -> list[str]:
+    """The order a generated wrapper issues its collectives, waits and kernels in, by op name
+    (buffer and kernel numbers left out): two compiles whose lists are equal ran the same
+    schedule. Used to check that a peer's setting changed something."""
+    import re
+
+    order = []
+    for line in code.split("\n"):
+        line = line.strip()
+        if line.startswith(("#", "def ", "async_compile", "from ", "import ")):
+            continue
+        if found := re.search(r"_c10d_functional\.(\w+)\.default\(", line):
+            order.append(found.group(1))
+        elif found := re.search(r"extern_kernels\.(\w+)\(", line):
+            order.append(found.group(1))
+        elif re.match(r"cpp_fused_\w+\(|triton_\w+\.run\(", line):
+            order.append("kernel")
+    return order
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: Sequence[int] = (0,)) -> str:
     """A plain text table: the columns numbered in ``left`` left-aligned, the others right-aligned."""
     cells = [[_cell(v) for v in row] for row in rows]

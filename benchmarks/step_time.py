@@ -11,9 +11,12 @@ on N CPU ranks (default 2; ``--world-size 4``):
   sequence, an all-to-all back and the output projection (4 all-to-alls forward, 4 backward).
 
 Variants, all compiled in the same run on the same ranks: ``inductor`` (Inductor alone),
-``inductor-reorder`` (Inductor with ``reorder_for_compute_comm_overlap = True``, given as the
+``inductor-reorder`` (Inductor with ``reorder_for_compute_comm_overlap = True`` and the overlap
+passes its config recommends, without which the flag runs nothing in torch 2.13; given as the
 compile's Inductor options, so Dynamo does not reuse plain Inductor's code, and patched with
-``torch._inductor.config.patch`` around every call, which covers the lazy backward compile), and
+``torch._inductor.config.patch`` around every call, which covers the lazy backward compile; its
+generated code is compared with plain Inductor's, and the output says whether the passes changed
+the order of collectives, waits and kernels: ``peer_checks``), and
 ``backend="commfuse"`` with ``schedule`` = ``slicing``, ``ring``, ``bidirectional`` and ``auto``
 (for ``ulysses`` only ``ring`` and ``auto``: an all-to-all has the ring schedule alone). What
 ``auto`` decided is read from ``commfuse_compile.reports()`` and printed; under the ``cpu-gloo``
@@ -81,12 +84,17 @@ from _common import (
     rank_environment,
     run_ranks,
     script_command,
+    schedule_of,
     site_dict,
     write_json,
 )
 from step_models import WORKLOADS
 
 VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "bidirectional", "auto")
+# Inductor's recommended overlap passes (torch/_inductor/config.py, above the option).
+REORDER_PASSES = ("reorder_communication_preserving_peak_memory", "sink_waits_iterative", "reorder_communication_preserving_peak_memory")
+REORDER_PEER = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": list(REORDER_PASSES)}
+PEERS = {"inductor-reorder": "inductor"}  # peer variant: the variant its setting must change
 COMMFUSE_SCHEDULES = ("slicing", "ring", "bidirectional", "auto")
 
 # Set in the re-executed child that runs inside the private network namespace.
@@ -291,6 +299,7 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], sizes: dict[str,
         "variants": variants,
         "parts": {"compute_ms": compute, "comm_ms": comm, "ideal_ms": ideal, "compute_times_ms": times["compute-only"], "comm_times_ms": times["comm-only"]},
         "possible_saving_ms": base - ideal if base is not None else None,
+        "peer_checks": rank0["peer_checks"],
     }
 
 
@@ -318,6 +327,9 @@ def render(results: dict[str, Any]) -> str:
     if auto and auto["sites"]:
         lines.append("auto decided:")
         lines.extend(f"  {site['graph']} {site['pattern']}: {_decision(site)}" for site in auto["sites"])
+    for peer, check in results.get("peer_checks", {}).items():
+        verdict = f"changed the order in {check['graphs_changed']} of {check['graphs']} graphs" if check["changed"] else "changed NOTHING (the row is plain Inductor)"
+        lines.append(f"{peer}: its setting {verdict} of the generated code, against {check['versus']}")
     return "\n".join(lines)
 
 
@@ -368,11 +380,13 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     steps: dict[str, Callable[[], None]] = {}
     compile_s: dict[str, float] = {}
     sites: dict[str, list[dict[str, Any]]] = {}
+    codes: dict[str, list[str]] = {}
     for name in config["variants"]:
         model, x, g = workload.build(sizes, rank, n, group)
         steps[name] = _variant_step(name, model, x, g, config["chunks_per_rank"])
         before = len(commfuse_compile.reports())
-        compile_s[name] = _warm_up(name, steps[name], config["warmup"], rank)
+        kept = codes if name in PEERS or name in PEERS.values() else None
+        compile_s[name] = _warm_up(name, steps[name], config["warmup"], rank, kept)
         if name in COMMFUSE_SCHEDULES:
             sites[name] = [site_dict(site) for rep in commfuse_compile.reports()[before:] for site in rep.sites]
     steps["compute-only"] = workload.compute_only(sizes, rank, n)
@@ -396,7 +410,25 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             progress(f"round {r + 1}/{config['rounds']}: " + ", ".join(f"{k} {median(v):.1f}" for k, v in times.items()) + " ms")
     dist.barrier()
-    return {"times_ms": times, "compile_s": compile_s, "sites": sites, "settling_rounds_ms": settling, "round_medians_ms": round_medians}
+    return {
+        "times_ms": times,
+        "compile_s": compile_s,
+        "sites": sites,
+        "settling_rounds_ms": settling,
+        "round_medians_ms": round_medians,
+        "peer_checks": peer_checks(codes),
+    }
+
+
+def peer_checks(codes: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """For each peer variant compiled beside its base: whether its setting changed the order
+    of collectives, waits and kernels in the generated code, graph by graph."""
+    checks = {}
+    for peer, base in PEERS.items():
+        if peer in codes and base in codes:
+            changed = [schedule_of(a) != schedule_of(b) for a, b in zip(codes[peer], codes[base])]
+            checks[peer] = {"versus": base, "graphs": len(changed), "graphs_changed": sum(changed), "changed": any(changed)}
+    return checks
 
 
 def _settle(steps: dict[str, Callable[[], None]], names: list[str], tolerance: float, max_rounds: int, rank: int) -> list[float]:
@@ -435,7 +467,9 @@ def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.T
     elif name == "inductor-reorder":
         # As options too: Dynamo reuses the compiled code of an equal Inductor backend (same
         # options), so without them this variant would silently run the plain Inductor graphs.
-        flag = {"reorder_for_compute_comm_overlap": True}
+        # The flag alone runs no pass in torch 2.13 (its pass list defaults to []): the list is
+        # the one Inductor's config.py recommends.
+        flag = REORDER_PEER
         compiled = torch.compile(model, backend="inductor", options=flag)
         # And patched around every call: backward compiles lazily, during the first .backward().
         context = functools.partial(inductor_config.patch, flag)
@@ -455,15 +489,22 @@ def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.T
     return step
 
 
-def _warm_up(name: str, step: Callable[[], None], count: int, rank: int) -> float:
-    """Run ``count`` untimed steps (the first compiles); return the first step's seconds."""
+def _warm_up(name: str, step: Callable[[], None], count: int, rank: int, codes: dict[str, list[str]] | None = None) -> float:
+    """Run ``count`` untimed steps (the first compiles); return the first step's seconds. With
+    ``codes``, the first step's generated code is kept there under ``name``."""
+    import torch._inductor.config as inductor_config
     import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
 
     if rank == 0:
         progress(f"compiling and warming up {name}")
     dist.barrier()
     start = time.perf_counter()
-    step()
+    if codes is None:
+        step()
+    else:
+        with inductor_config.patch(fx_graph_cache=False):  # (a cache hit generates no code to read)
+            _, codes[name] = run_and_get_code(step)
     first = time.perf_counter() - start
     for _ in range(count - 1):
         step()

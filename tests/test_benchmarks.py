@@ -34,11 +34,15 @@ def _has_machine_info(results: dict) -> None:
 @pytest.mark.slow
 def test_step_time_smoke(tmp_path):
     # Plain loopback and two of the variants: the namespace and the other four compile the same way.
-    results = _run(step_time.main, ["--quick", "--no-shape", "--rounds", "2", "--settle-rounds", "2", "--variants", "inductor,ring"], tmp_path / "step.json")
+    results = _run(step_time.main, ["--quick", "--no-shape", "--rounds", "2", "--settle-rounds", "2", "--variants", "inductor,inductor-reorder,ring"], tmp_path / "step.json")
     _has_machine_info(results)
     assert results["benchmark"] == "step_time" and results["shaped"] is False
     assert results["world_size"] == 2 and {"S", "H", "F"} <= set(results["sizes"])
-    assert set(results["variants"]) == {"inductor", "ring"}
+    assert set(results["variants"]) == {"inductor", "inductor-reorder", "ring"}
+    # Whether the peer's passes changed its generated code is reported (at these tiny sizes
+    # they move nothing; test_reorder_peer_runs_its_passes shows they do at larger ones).
+    check = results["peer_checks"]["inductor-reorder"]
+    assert check["versus"] == "inductor" and check["graphs"] == 2 and isinstance(check["changed"], bool), check
     for name, variant in results["variants"].items():
         assert {"median_ms", "min_ms", "max_ms", "ratio_to_inductor", "saving_fraction", "compile_s", "sites"} <= set(variant)
         assert len(variant["times_ms"]) == 2 and variant["median_ms"] > 0
@@ -154,3 +158,34 @@ def test_help(module, capsys):
         module.main(["--help"])
     assert exit_.value.code == 0
     assert "--json" in capsys.readouterr().out
+
+
+def test_reorder_peer_runs_its_passes():
+    """step_time's ``inductor-reorder`` setting changes what Inductor generates (the flag alone
+    runs no pass in torch 2.13): in the MLP's backward the weight-gradient matmul moves between
+    the reduce-scatter's start and its wait. Single process, fake group; read from the code."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from _common import schedule_of
+    from torch._inductor.utils import run_and_get_code
+
+    import commfuse_compile
+
+    def mlp(x, w1, w2):
+        h = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+        return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, dist.group.WORLD)
+
+    codes = {}
+    with commfuse_compile.fake_world(2):
+        inputs = [torch.randn(64, 128, requires_grad=True), torch.randn(128, 256, requires_grad=True), torch.randn(256, 128, requires_grad=True)]
+        for name, flag in (("inductor", {}), ("inductor-reorder", step_time.REORDER_PEER)):
+            torch._dynamo.reset()
+            with torch._inductor.config.patch({**flag, "fx_graph_cache": False}):
+                compiled = torch.compile(mlp, backend="inductor", options=flag or None)
+                _, codes[name] = run_and_get_code(lambda: compiled(*inputs).sum().backward())
+    torch._dynamo.reset()
+    plain, reordered = (schedule_of(codes[name][1]) for name in ("inductor", "inductor-reorder"))
+    assert plain != reordered, plain
+    between = reordered[reordered.index("reduce_scatter_tensor") : reordered.index("wait_tensor", reordered.index("reduce_scatter_tensor"))]
+    assert "mm" in between, reordered
