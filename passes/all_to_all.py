@@ -174,7 +174,8 @@ def read_on_host(node: fx.Node) -> fx.Node | None:
     if any: its result goes to the host, and the host waits for all of it."""
     frontier, seen = [node], {node}
     for _ in range(HOST_READ_DEPTH):
-        frontier = [user for current in frontier for user in current.users if user not in seen and not seen.add(user)]
+        frontier = list(dict.fromkeys(user for current in frontier for user in current.users if user not in seen))
+        seen.update(frontier)
         if (found := next((user for user in frontier if user.target is HOST_READ), None)) is not None:
             return found
     return None

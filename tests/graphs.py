@@ -65,6 +65,11 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return fx.GraphModule(torch.nn.Module(), GraphSnapshot(graph).saved).graph
 
 
+def is_collective(target) -> bool:
+    """A functional collective's op (not its ``wait_tensor``)."""
+    return getattr(target, "namespace", None) == "_c10d_functional" and target is not torch.ops._c10d_functional.wait_tensor.default
+
+
 def unpinned(node: fx.Node) -> tuple[object, tuple]:
     """The op ``node`` runs and its arguments, also when pinning wrapped it in ``control_deps``
     (its subgraph runs the op on the call's inputs after the dependencies)."""

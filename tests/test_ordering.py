@@ -19,14 +19,13 @@ import pytest
 import torch
 import torch.fx as fx
 from conftest import fake_world
-from graphs import RING_EXCHANGE, _Capture, rewrite_as, unpinned
+from graphs import RING_EXCHANGE, _Capture, is_collective, rewrite_as, unpinned
 from torch._inductor.compile_fx import compile_fx
 
 import commfuse_compile.passes.order as order
 from commfuse_compile.explain import _post_grad_only
+from commfuse_compile.p2p import WAIT_EXCHANGE
 from commfuse_compile.passes.graph_utils import WAIT
-
-WAIT_EXCHANGE = torch.ops.commfuse.wait_exchange.default
 
 
 def selective_ac_backward(tp: int) -> fx.Graph:
@@ -124,7 +123,7 @@ def run_in_graph_order(graphs: list[fx.Graph]) -> None:
                     out, n_out, into, n_in = exchanges[rank][args[0].name]
                     if posted[into] < n_in or posted[("recv",) + out] < n_out:
                         break  # (its message has not been sent, or its peer does not receive yet)
-                elif _is_collective(target):
+                elif is_collective(target):
                     started[rank].append(node.name)
                 elif target is WAIT and args[0].name in started[rank]:  # (else started by an earlier graph)
                     index = started[rank].index(args[0].name)
@@ -137,10 +136,6 @@ def run_in_graph_order(graphs: list[fx.Graph]) -> None:
         if not moved:
             blocked = {rank: nodes[rank][at[rank]].name for rank in range(ranks) if at[rank] < len(nodes[rank])}
             raise AssertionError(f"deadlock: ranks blocked at {blocked}")
-
-
-def _is_collective(target) -> bool:
-    return getattr(target, "namespace", None) == "_c10d_functional" and target is not WAIT
 
 
 def test_the_deadlock_model_finds_a_deadlock():

@@ -17,16 +17,12 @@ import itertools
 import pytest
 import torch
 from conftest import fake_world
-from graphs import CONTROL_DEPS, RING_EXCHANGE, post_grad_graphs, rewrite_as, unpinned
+from graphs import CONTROL_DEPS, RING_EXCHANGE, is_collective, post_grad_graphs, rewrite_as, unpinned
 
 import programs
 
 PROGRAMS = ["canonical", "sequence_parallel", "plain_tp", "expert_parallel", "ulysses"]
 SCHEDULES = [("ring", 1), ("ring", 2), ("bidirectional", 1), ("bidirectional", 2), ("slicing", 1), ("slicing", 2)]
-
-
-def _is_collective(target) -> bool:
-    return getattr(target, "namespace", None) == "_c10d_functional" and target.__name__.split(".")[0] != "wait_tensor"
 
 
 def issued(graph: torch.fx.Graph) -> tuple[list[tuple], list[tuple]]:
@@ -42,14 +38,14 @@ def issued(graph: torch.fx.Graph) -> tuple[list[tuple], list[tuple]]:
             sent, send_to, recv_from, tag = value, args[1], args[2], args[4]
             messages.append((send_to, "send", tuple(sent.shape), sent.dtype, tag))
             messages.append((recv_from, "recv", tuple(sent.shape), sent.dtype, tag))  # (same shape both ways)
-        elif _is_collective(target):
+        elif is_collective(target):
             collectives.append((target.__name__, tuple(value.shape), value.dtype))
     return messages, collectives
 
 
 def _is_start(node: torch.fx.Node) -> bool:
     target, _ = unpinned(node)
-    return target is RING_EXCHANGE or _is_collective(target)
+    return target is RING_EXCHANGE or is_collective(target)
 
 
 def check_pinned(graph: torch.fx.Graph) -> None:
