@@ -12,16 +12,21 @@ dependencies, including the pinned order) and timed on a
     slicing (K)    K sliced collectives, slice s's collective overlapping slice s±1's matmul
     ring (m)       N·m point-to-point steps, each overlapping one chunk matmul
     bidirectional  the ring with half of every chunk travelling each way (two links busy)
+
+A pattern whose schedule has another shape (the all-to-all's pairwise steps) lays out its own
+timelines: its room passes them in ``Workload.timelines``, built from the pieces here
+(:func:`compute_seconds`, :func:`collective_seconds`, the lanes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from .profiles import HardwareProfile
-from .schedules import all_to_all_steps, flash_ag_steps, flash_rs_steps, pieces_per_chunk
+from .schedules import flash_ag_steps, flash_rs_steps, pieces_per_chunk
 from .simulator import Timeline
 
 COMPUTE, COLLECTIVE = "compute", "collective"
@@ -51,6 +56,9 @@ class Workload:
     chunk_bytes: int  # one rank's chunk: the shard (all-gather) or one output chunk (reduce-scatter)
     dtype: torch.dtype
     before: int = 0  # all-to-all: how many of ``matmuls`` come before it (the rest after)
+    # A pattern's own layout of its schedules, if the generic one does not fit:
+    # ``timelines(timeline, work, profile, schedule, m)`` adds the events of ``schedule``.
+    timelines: Callable[[Timeline, Workload, HardwareProfile, str, int], None] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +74,7 @@ class Estimate:
         return self.schedule if self.schedule == "vanilla" else f"{self.schedule}(m={self.chunks_per_rank})"
 
 
-def _compute(work: Workload, profile: HardwareProfile, count: int, slowdown: float) -> float:
+def compute_seconds(work: Workload, profile: HardwareProfile, count: int, slowdown: float) -> float:
     """Time of the matmuls on one of ``count`` equal pieces of the chunked dim."""
     return slowdown * sum(profile.matmul_seconds(*mm.piece(count), work.dtype) for mm in work.matmuls)
 
@@ -74,25 +82,22 @@ def _compute(work: Workload, profile: HardwareProfile, count: int, slowdown: flo
 def estimate(work: Workload, profile: HardwareProfile, schedule: str, m: int = 1) -> Estimate:
     """Model ``schedule`` (with m chunks per rank / K slices) for ``work`` on ``profile``."""
     timeline = Timeline()
-    build = {"vanilla": _vanilla, "slicing": _slicing, "ring": _ring, "bidirectional": _bidirectional}[schedule]
-    build(timeline, work, profile, m)
+    if work.timelines is not None:
+        work.timelines(timeline, work, profile, schedule, m)
+    else:
+        {"vanilla": _vanilla, "slicing": _slicing, "ring": _ring, "bidirectional": _bidirectional}[schedule](timeline, work, profile, m)
     total = timeline.run()
     return Estimate(schedule, m, total, total - timeline.busy(COMPUTE), timeline)
 
 
-def _collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float, slowdown: float = 1.0) -> float:
+def collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float, slowdown: float = 1.0) -> float:
     """A ring all-gather / reduce-scatter: N-1 steps of one chunk each."""
     return slowdown * (work.group_size - 1) * profile.transfer_seconds(nbytes)
 
 
 def _vanilla(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    comm = _collective_seconds(work, profile, work.chunk_bytes)
-    if work.kind == "all_to_all":  # the ops before, the all-to-all (N - 1 blocks out), the ops after
-        ahead, behind = _sides(work)
-        made = t.add("before", COMPUTE, _compute(ahead, profile, 1, 1.0))
-        t.add("after", COMPUTE, _compute(behind, profile, 1, 1.0), (t.add("all_to_all", COLLECTIVE, comm, (made,)),))
-        return
-    compute = _compute(work, profile, 1, 1.0)
+    comm = collective_seconds(work, profile, work.chunk_bytes)
+    compute = compute_seconds(work, profile, 1, 1.0)
     if work.kind == "all_gather_matmul":
         t.add("matmul", COMPUTE, compute, (t.add("all_gather", COLLECTIVE, comm),))
     else:
@@ -101,8 +106,8 @@ def _vanilla(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> N
 
 def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> None:
     slow = profile.overlap_slowdown
-    comm = _collective_seconds(work, profile, work.chunk_bytes / k, slow)
-    compute = _compute(work, profile, k, slow)
+    comm = collective_seconds(work, profile, work.chunk_bytes / k, slow)
+    compute = compute_seconds(work, profile, k, slow)
     if work.kind == "all_gather_matmul":
         gathers = [t.add(f"all_gather[{s}]", COLLECTIVE, comm) for s in range(k)]  # all issued up front
         for s in range(k):
@@ -113,39 +118,7 @@ def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> N
 
 
 def _ring(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
-    if work.kind == "all_to_all":
-        _pairwise_steps(t, work, profile)
-    else:
-        _ring_steps(t, work, profile, "ring", m)
-
-
-def _sides(work: Workload) -> tuple[Workload, Workload]:
-    """An all-to-all's workload as the matmuls before it and those after it."""
-    return (
-        dataclasses.replace(work, matmuls=work.matmuls[: work.before]),
-        dataclasses.replace(work, matmuls=work.matmuls[work.before :]),
-    )
-
-
-def _pairwise_steps(t: Timeline, work: Workload, profile: HardwareProfile) -> None:
-    """Flash-All-to-All as the rewrite emits it (:func:`all_to_all_steps`): the first block to
-    send computed up front, then per step the next block's before-compute and the last
-    arrived block's after-compute overlap the step's transfer (one block each way)."""
-    n, slow = work.group_size, profile.overlap_slowdown
-    ahead, behind = _sides(work)
-    made, used = _compute(ahead, profile, n, slow), _compute(behind, profile, n, slow)
-    transfer = slow * profile.transfer_seconds(work.chunk_bytes)
-    outgoing = t.add("before[first]", COMPUTE, made) if ahead.matmuls else None
-    arrived = None
-    for k, _move in enumerate(all_to_all_steps(n, 0)):
-        send = t.add(f"send[{k}]", "link+", transfer, (outgoing,))
-        if ahead.matmuls:
-            outgoing = t.add(f"before[{k}]", COMPUTE, made, (outgoing,))
-        if behind.matmuls:
-            t.add(f"after[{k}]", COMPUTE, used, (arrived,))
-        arrived = send
-    if behind.matmuls:
-        t.add("after[last]", COMPUTE, used, (arrived,))
+    _ring_steps(t, work, profile, "ring", m)
 
 
 def _bidirectional(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
@@ -158,7 +131,7 @@ def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, schedule:
     way round the ring, one hop per step."""
     n, slow = work.group_size, profile.overlap_slowdown
     per_chunk = pieces_per_chunk(schedule, m)
-    compute = _compute(work, profile, n * per_chunk, slow)
+    compute = compute_seconds(work, profile, n * per_chunk, slow)
     transfer = slow * profile.transfer_seconds(work.chunk_bytes / per_chunk)
     gather = work.kind == "all_gather_matmul"
 

@@ -30,7 +30,7 @@ from .all_to_all import AllToAll
 from .blame import SiteFailure, blame, where
 from .check import insert_plan_checks, plan_of
 from .fusion import Fuse
-from .graph_utils import GraphSnapshot, erase_dead, recording
+from .graph_utils import GraphSnapshot, collapse_wait_chains, erase_dead, recording
 from .hold import hold_sent_tensors
 from .matmul_reduce_scatter import MatmulReduceScatter
 from .order import pin_ring_order
@@ -173,6 +173,7 @@ def _report_failures(kind: str, failures: list[SiteFailure], report: Report) -> 
 
 def _run_stages(graph: fx.Graph, options: CommfuseOptions, kind: str, rank_of: Callable[[str], int], left_alone: dict) -> list[Site]:
     """One attempt at every stage, leaving ``left_alone``'s sites alone."""
+    collapse_wait_chains(graph)
     sites = find_sites(graph, kind)
     _leave_alone(sites, left_alone)
     sites, splits = _split_all_reduces(graph, sites, options, kind, left_alone)

@@ -1,9 +1,18 @@
-"""Pattern ``all_to_all``: an equal-split all-to-all next to row-local compute, as Flash-All-to-All.
+"""Pattern ``all_to_all``: an all-to-all next to row-local compute, as Flash-All-to-All.
 
 Matches (post-grad aten graph, functional collectives)::
 
     all_to_all_single(x, splits, splits, group) -> wait_tensor     equal splits: x is N blocks
                                                                    of dim 0
+    all_to_all_single(x, [v0..], [u0..], group) -> wait_tensor     splits known at run time
+                                                                   (MoE token counts: u_j, v_j
+                                                                   from .tolist())
+
+With run-time splits the blocks are cut by ``split_with_sizes(x, [u0..])``, step k receives
+``v_(r-k)`` rows, an empty block is neither sent nor received (both peers know its size), the
+own block's two sizes (u_r cut, v_r in the result: the same number) are asserted equal so the
+result keeps its size, and ``sym_size(all_to_all, 0)`` reads ``sum(v)``. The plan depends on no
+size: every rank plans alike, and one compile serves every routing.
 
 Left alone: an all-to-all whose result is read on the host within a few ops (MoE routing's
 token-count exchange, read by ``.tolist()`` for the next all-to-all's splits): the host waits
@@ -17,7 +26,7 @@ an MoE combine, query-split attention before Ulysses' second all-to-all), each o
 just before its step.
 
 The cost model times (:func:`AllToAll.workload`): the matmuls of both sides, cut into N blocks,
-and one block in bytes: vanilla (the ops before, the all-to-all, the ops after) against the N − 1
+and one block in bytes (run-time splits: at balanced routing): vanilla (the ops before, the all-to-all, the ops after) against the N − 1
 pairwise steps.
 
 Emits (rank r; :func:`commfuse_compile.schedules.all_to_all_steps`)::
@@ -39,20 +48,27 @@ before-compute, at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
+import operator
 
+import torch
 import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
-from commfuse_compile.cost_model import Matmul, Workload
+from commfuse_compile.cost_model import COLLECTIVE, COMPUTE, Matmul, Workload, collective_seconds, compute_seconds
+from commfuse_compile.profiles import HardwareProfile
+from commfuse_compile.simulator import Timeline
 from commfuse_compile.schedules import all_to_all_steps
 
 from .fusion import Fuse
-from .graph_utils import MATMULS, WAIT, Emitter, aten, bytes_of, c10d, describe_users, fake, hinted_shape, left_operand, ring_exchange_op, shape_of
-from .layout import single_wait
+from .graph_utils import MATMULS, WAIT, Emitter, aten, c10d, describe_users, fake, hinted, hinted_shape, left_operand, ring_exchange_op, shape_of, target_name
+from .layout import SYM_SIZE, single_wait
 from .pattern import Pattern
-from .pieces import Pieces
+from .pieces import Pieces, cut
 from .regions import Region, backward_region, forward_region
+from .rowlocal import Blocks
 from .site import RingStep, Site
 
 ALL_TO_ALL = c10d.all_to_all_single.default
@@ -78,8 +94,12 @@ class AllToAll(Pattern):
         if site.wait is None:
             return site.skip(f"all-to-all is not read through a single wait_tensor (users: {describe_users(node)})")
         rows = fake(x).shape[0]
-        if any(not isinstance(v, int) for splits in (out_splits, in_splits) if splits is not None for v in splits):
-            return site.skip("splits known only at run time (data-dependent token counts, as in MoE routing): its blocks cannot be cut statically")
+        if any(isinstance(v, fx.Node) for splits in (out_splits, in_splits) if splits is not None for v in splits):
+            if out_splits is None or in_splits is None:
+                return site.skip("one split list known only at run time, the other equal: not yet supported")
+            # Splits known only at run time (MoE token counts read with .tolist()): blocks cut by them.
+            site.blocks = (Blocks(tuple(in_splits), rows), Blocks(tuple(out_splits), fake(node).shape[0]))
+            return site
         if not isinstance(rows, int):
             return site.skip(f"dim 0 of {list(fake(x).shape)} is symbolic: its blocks cannot be cut statically")
         even = [rows // n] * n
@@ -90,7 +110,11 @@ class AllToAll(Pattern):
     def keep_computable(self, site: Site, tensor: list[int]) -> str | None:
         before, after = regions(site, site.group_size, set())
         if before is None and after is None:
-            return "no row-local compute before or after the all-to-all: nothing to overlap with"
+            x = site.collective.args[0]
+            return (
+                f"no row-local compute before or after the all-to-all: nothing to overlap with (its input is "
+                f"{x.name} ({target_name(x)}), its result is read by {describe_users(site.wait)})"
+            )
         return None
 
     def schedule_problem(self, schedule: str, m: int) -> str | None:
@@ -99,23 +123,29 @@ class AllToAll(Pattern):
         return None
 
     def workload(self, site: Site) -> Workload:
-        """The matmuls of both sides (rows cut into the N blocks), and one block's bytes."""
+        """The matmuls of both sides (rows cut into the N blocks), and one block's bytes. With
+        splits known only at run time: at balanced routing (the static one of the input's and
+        the result's row counts, cut into N equal blocks), as every rank assumes alike."""
         before, after = regions(site, site.group_size, set())
-        sides = [[_matmul(n) for n in (r.computed if r else ()) if n.target in MATMULS] for r in (before, after)]
-        block = bytes_of(fake(site.collective.args[0])) // site.group_size
-        dtype = fake(site.collective.args[0]).dtype
-        return Workload(self.name, site.group_size, (*sides[0], *sides[1]), block, dtype, before=len(sides[0]))
+        rows = _rows_at_balance(site)
+        sides = [[_matmul(n, rows) for n in (r.computed if r else ()) if n.target in MATMULS] for r in (before, after)]
+        x = fake(site.collective.args[0])
+        block = rows * math.prod(hinted(size) for size in x.shape[1:]) * x.element_size() // site.group_size
+        dtype = x.dtype
+        return Workload(self.name, site.group_size, (*sides[0], *sides[1]), block, dtype, before=len(sides[0]), timelines=timelines)
 
     def emit(self, graph: fx.Graph, site: Site, rank: int, tags: itertools.count, fuse: Fuse) -> None:
         n, r, x = site.group_size, rank, site.collective.args[0]
+        sent, received = site.blocks or (None, None)
         before, after = regions(site, n, fuse.reserved - _own(site))
         emit = Emitter(graph, before=site.wait)
         made = Pieces(before) if before else None
         used = Pieces(after) if after else None
-        size = fake(x).shape[0] // n
+        if site.blocks:
+            _run_time_sizes(graph, site, emit, r)
 
-        def block(j: int) -> fx.Node:  # block j of the input: computed before, or sliced
-            return made.piece(emit, x, 0, j) if made else emit(aten.slice.Tensor, x, 0, j * size, (j + 1) * size)
+        def block(j: int) -> fx.Node:  # block j of the input: computed before, or cut
+            return made.piece(emit, x, 0, j) if made else cut(emit, x, 0, j, n, sent)
 
         def consume(j: int) -> list[fx.Node]:  # the after side on block j of the result
             if used is None:
@@ -132,9 +162,10 @@ class AllToAll(Pattern):
         outgoing = block(steps[0].send_to) if made is not None else None
         exchange = ring_exchange_op()
         for i, mv in enumerate(steps):
-            if made is None:  # nothing to compute before: a slice of the input
+            if made is None:  # nothing to compute before: a block of the input
                 outgoing = block(mv.send_to)
-            start = emit(exchange, outgoing, mv.send_to, mv.recv_from, site.group_name, next(tags))
+            rows = () if received is None else (received.sizes[mv.recv_from],)  # (run-time splits: its size)
+            start = emit(exchange, outgoing, mv.send_to, mv.recv_from, site.group_name, next(tags), *rows)
             compute = []
             if made is not None:  # the next block to send, or the own block at the last step
                 following = steps[i + 1].send_to if i + 1 < len(steps) else r
@@ -165,6 +196,49 @@ class AllToAll(Pattern):
         return _own(site)
 
 
+def timelines(t: Timeline, work: Workload, profile: HardwareProfile, schedule: str, m: int) -> None:
+    """The all-to-all's schedules on the cost model's timeline: vanilla (the ops before, the
+    all-to-all, the ops after) or the pairwise steps (``ring``, m = 1: the only rewrite)."""
+    if schedule == "vanilla":
+        ahead, behind = _sides(work)
+        comm = collective_seconds(work, profile, work.chunk_bytes)  # (N - 1 blocks out)
+        made = t.add("before", COMPUTE, compute_seconds(ahead, profile, 1, 1.0))
+        t.add("after", COMPUTE, compute_seconds(behind, profile, 1, 1.0), (t.add("all_to_all", COLLECTIVE, comm, (made,)),))
+    elif schedule == "ring":
+        _pairwise_steps(t, work, profile)
+    else:
+        raise ValueError(f"the all-to-all has no {schedule!r} schedule (see AllToAll.schedule_problem)")
+
+
+def _sides(work: Workload) -> tuple[Workload, Workload]:
+    """An all-to-all's workload as the matmuls before it and those after it."""
+    return (
+        dataclasses.replace(work, matmuls=work.matmuls[: work.before]),
+        dataclasses.replace(work, matmuls=work.matmuls[work.before :]),
+    )
+
+
+def _pairwise_steps(t: Timeline, work: Workload, profile: HardwareProfile) -> None:
+    """Flash-All-to-All as the rewrite emits it (:func:`all_to_all_steps`): the first block to
+    send computed up front, then per step the next block's before-compute and the last
+    arrived block's after-compute overlap the step's transfer (one block each way)."""
+    n, slow = work.group_size, profile.overlap_slowdown
+    ahead, behind = _sides(work)
+    made, used = compute_seconds(ahead, profile, n, slow), compute_seconds(behind, profile, n, slow)
+    transfer = slow * profile.transfer_seconds(work.chunk_bytes)
+    outgoing = t.add("before[first]", COMPUTE, made) if ahead.matmuls else None
+    arrived = None
+    for k, _move in enumerate(all_to_all_steps(n, 0)):
+        send = t.add(f"send[{k}]", "link+", transfer, (outgoing,))
+        if ahead.matmuls:
+            outgoing = t.add(f"before[{k}]", COMPUTE, made, (outgoing,))
+        if behind.matmuls:
+            t.add(f"after[{k}]", COMPUTE, used, (arrived,))
+        arrived = send
+    if behind.matmuls:
+        t.add("after[last]", COMPUTE, used, (arrived,))
+
+
 HOST_READ = aten._local_scalar_dense.default
 HOST_READ_DEPTH = 6  # (torchtitan: wait → wait → sum → select → _local_scalar_dense)
 
@@ -184,15 +258,50 @@ def read_on_host(node: fx.Node) -> fx.Node | None:
 def regions(site: Site, count: int, reserved: set[fx.Node]) -> tuple[Region | None, Region | None]:
     """The row-local ops producing the all-to-all's input and reading its result, block by block."""
     x = site.collective.args[0]
-    before = backward_region({x: 0}, count, reserved, [], site.notes)
-    after = forward_region(site, {site.wait: 0}, count, reserved)
+    sent, received = site.blocks or (None, None)
+    before = backward_region({x: 0}, count, reserved, [], site.notes, sent)
+    after = forward_region(site, {site.wait: 0}, count, reserved, blocks=received)
     return before, after
+
+
+def _run_time_sizes(graph: fx.Graph, site: Site, emit: Emitter, r: int) -> None:
+    """What splits known only at run time need before the steps.
+
+    The own block never travels: it is ``sent.sizes[r]`` rows when cut from the input and
+    ``received.sizes[r]`` in the result. Both are the same number (this rank's count for
+    itself, on either side of the count exchange), which the shape environment cannot know:
+    assert it at run time and tell the environment, so the result has the original's size.
+    The collective's size readers (``sym_size(all_to_all, 0)``, read before its wait) read the
+    sum of the received sizes instead, so the collective can go.
+    """
+    sent, received = site.blocks
+    mine, theirs = sent.sizes[r], received.sizes[r]
+    if mine is not theirs and not (isinstance(mine, int) and mine == theirs):
+        same = emit(operator.eq, mine, theirs)
+        emit(aten._assert_scalar.default, same, f"commfuse: {site.collective.name}: the own block's sizes differ ({mine} != {theirs})")
+        with emit.fake_mode:
+            torch._check(fake(same))
+    for reader in [u for u in site.collective.users if u.target is SYM_SIZE]:
+        dim = reader.args[1] % fake(site.collective).dim()
+        size = Emitter(graph, before=reader)
+        reader.replace_all_uses_with(size(torch.sym_sum, list(received.sizes)) if dim == 0 else size(SYM_SIZE, site.collective.args[0], dim))
+        graph.erase_node(reader)
+
+
+def _rows_at_balance(site: Site) -> int:
+    """The rows of the input (= of the result) as every rank assumes them: static, or with
+    splits known at run time the static one of the two totals (hinted if neither is)."""
+    if site.blocks is None:
+        return hinted(fake(site.collective.args[0]).shape[0])
+    totals = [blocks.total for blocks in site.blocks]
+    return next((t for t in totals if isinstance(t, int)), None) or hinted(totals[0])
 
 
 def _own(site: Site) -> set[fx.Node]:
     return {site.collective, site.wait}
 
 
-def _matmul(node: fx.Node) -> Matmul:
-    rows, cols = hinted_shape(node)
-    return Matmul(rows, hinted_shape(left_operand(node))[-1], cols, "m")
+def _matmul(node: fx.Node, rows_at_balance: int) -> Matmul:
+    rows, cols = fake(node).shape
+    rows = rows if isinstance(rows, int) else rows_at_balance  # (cut by the run-time splits)
+    return Matmul(rows, hinted_shape(left_operand(node))[-1], hinted(cols), "m")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # The rings ask for the same rows again (each matmul of a step reshapes the step's chunk,
 # each term of a sum cuts the same piece): one node each is fewer nodes for Inductor to lower,
 # schedule and call.
-REUSABLE = RESHAPES | {aten.permute.default, aten.slice.Tensor, aten.expand.default, aten.unsqueeze.default, PIECE, CONTIGUOUS}
+REUSABLE = RESHAPES | {aten.permute.default, aten.slice.Tensor, aten.expand.default, aten.unsqueeze.default, PIECE, CONTIGUOUS, aten.split_with_sizes.default, operator.getitem}
 
 
 def ring_exchange_op() -> Any:
@@ -289,6 +290,18 @@ def _sink_readers(node: fx.Node) -> None:
     for reader in sorted(early):
         cursor.append(reader)
         cursor = reader
+
+
+def collapse_wait_chains(graph: fx.Graph) -> int:
+    """``wait_tensor(wait_tensor(c))`` → ``wait_tensor(c)``: the second wait does nothing (the
+    collective is complete) and would hide the first one's real readers from a match. Funcol's
+    autograd all-to-all and an all-to-all read with ``.tolist()`` leave such chains. Returns how
+    many waits went."""
+    chained = [n for n in graph.find_nodes(op="call_function", target=WAIT) if isinstance(n.args[0], fx.Node) and n.args[0].target is WAIT]
+    for wait in chained:
+        wait.replace_all_uses_with(wait.args[0])
+        graph.erase_node(wait)
+    return len(chained)
 
 
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:

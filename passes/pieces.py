@@ -7,9 +7,31 @@ import operator
 import torch.fx as fx
 
 from .attention import LOGSUMEXP, OUT, Merged, assembled_logsumexp, is_attention, query_split
-from .graph_utils import RESHAPES, Emitter, aten, fake
+from .graph_utils import RESHAPES, Emitter, aten, fake, same_size
 from .regions import Region
-from .rowlocal import input_axes
+from .rowlocal import Blocks, input_axes
+
+
+def cut(emit: Emitter, node: fx.Node, axis: int, q: int, count: int, blocks: Blocks | None = None) -> fx.Node:
+    """Piece q of ``node`` along ``axis``: a slice of one of ``count`` equal pieces, or block q
+    of ``blocks`` (one ``split_with_sizes`` by the run-time sizes, shared by every block)."""
+    if blocks is None:
+        size = fake(node).shape[axis] // count
+        return emit(aten.slice.Tensor, node, axis, q * size, (q + 1) * size)
+    if (part := _block_of_cat(node, axis, q, blocks)) is not None:
+        return part
+    return emit(operator.getitem, emit(aten.split_with_sizes.default, node, list(blocks.sizes), axis), q)
+
+
+def _block_of_cat(node: fx.Node, axis: int, q: int, blocks: Blocks) -> fx.Node | None:
+    """Block q of a ``cat`` of exactly those blocks (an MoE dispatch's expert outputs, put
+    together, sent back by the combine): the part itself, not a view of the copy."""
+    if node.target is not aten.cat.default or (node.args[1] if len(node.args) > 1 else 0) % fake(node).dim() != axis:
+        return None
+    parts = node.args[0]
+    if len(parts) != blocks.count or not all(same_size(fake(p).shape[axis], fake(s)) for p, s in zip(parts, blocks.sizes)):
+        return None
+    return parts[q]
 
 
 class Pieces:
@@ -58,21 +80,21 @@ class Pieces:
 
     def slice(self, emit: Emitter, node: fx.Node, axis: int, q: int) -> fx.Node:
         if (node, axis, q) not in self.slices:
-            size = fake(node).shape[axis] // self.region.count
-            self.slices[node, axis, q] = emit(aten.slice.Tensor, node, axis, q * size, (q + 1) * size)
+            self.slices[node, axis, q] = cut(emit, node, axis, q, self.region.count, self.region.blocks)
         return self.slices[node, axis, q]
 
     def _emit(self, emit: Emitter, node: fx.Node, q: int) -> fx.Node:
         along = self.region.axis[node]
-        cut = input_axes(node, along, self.region.count)
+        axes = input_axes(node, along, self.region.count, self.region.blocks)
 
         def piece_of(arg: fx.Node) -> fx.Node:
-            return arg if cut[arg] is None else self.piece(emit, arg, cut[arg], q)
+            return arg if axes[arg] is None else self.piece(emit, arg, axes[arg], q)
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), piece_of)
         if node.target in RESHAPES or node.target is aten.expand.default:  # to the piece's shape
             shape = list(fake(node).shape)
-            shape[along] //= self.region.count
+            # (a block of run-time size: the reshape's one -1)
+            shape[along] = shape[along] // self.region.count if self.region.blocks is None else -1
             # (a piece may be a non-contiguous slice: reshape, not view)
             return emit(aten.expand.default if node.target is aten.expand.default else aten.reshape.default, args[0], shape)
         if is_attention(node) and along == 2:

@@ -17,6 +17,8 @@ back together once, from the pieces, after the ring.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from .attention import ATTENTION
@@ -62,7 +64,7 @@ def needed(region: Region, consumers: list[Consumer]) -> Region:
             continue
         keep.add(node)
         stack += node.all_input_nodes
-    return Region({n: a for n, a in region.axis.items() if n in keep}, region.count, region.given)
+    return dataclasses.replace(region, axis={n: a for n, a in region.axis.items() if n in keep})
 
 
 def prologue_problem(site: Site, count: int, reserved: set[fx.Node]) -> str | None:

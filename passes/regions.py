@@ -18,18 +18,20 @@ import torch.fx as fx
 
 from .attention import attention_refusal, is_attention
 from .graph_utils import WAIT
-from .rowlocal import VIEWS, axes_of, input_axes
+from .rowlocal import VIEWS, Blocks, axes_of, input_axes
 from .site import Site
 
 
 @dataclasses.dataclass
 class Region:
     """Nodes computed piece by piece: ``axis`` maps each to the axis its pieces are cut along
-    (``given``: nodes whose pieces the ring supplies); ``count`` pieces in all."""
+    (``given``: nodes whose pieces the ring supplies); ``count`` pieces in all, equal ones or
+    ``blocks`` (sizes known at run time)."""
 
     axis: dict[fx.Node, int]
     count: int
     given: frozenset[fx.Node] = frozenset()
+    blocks: Blocks | None = None
 
     @property
     def computed(self) -> list[fx.Node]:
@@ -42,11 +44,18 @@ class Region:
         return ", ".join(n.name for n in self.computed)
 
 def forward_region(
-    site: Site, given: dict[fx.Node, int], count: int, reserved: set[fx.Node], stop_at: frozenset = frozenset(), trim: bool = True
+    site: Site,
+    given: dict[fx.Node, int],
+    count: int,
+    reserved: set[fx.Node],
+    stop_at: frozenset = frozenset(),
+    trim: bool = True,
+    blocks: Blocks | None = None,
 ) -> Region | None:
     """The row-local ops after a Flash-AG site's matmuls (``given``: their outputs, with the
     axis their pieces are cut along), or None if there is nothing to compute there. Ops whose
-    target is in ``stop_at`` are not entered; ``trim=False`` keeps every node reached."""
+    target is in ``stop_at`` are not entered; ``trim=False`` keeps every node reached;
+    ``blocks``: pieces of run-time sizes instead of ``count`` equal ones."""
     after_ring = _AfterWaits(site.wait)
     axis = dict(given)
     # The users of the region so far, in graph order: a node is looked at once all its inputs
@@ -60,7 +69,7 @@ def forward_region(
             continue
         inputs = node.all_input_nodes
         for candidate in axes_of(node):
-            cut = input_axes(node, candidate, count)
+            cut = input_axes(node, candidate, count, blocks)
             if cut is not None and all(cut[i] == axis[i] if i in axis else not after_ring(i) for i in inputs):
                 axis[node] = candidate
                 for user in node.users:
@@ -70,11 +79,11 @@ def forward_region(
                 break
     if len(axis) == len(given):
         return None
-    region = Region(axis, count, frozenset(given))
+    region = Region(axis, count, frozenset(given), blocks)
     return _trimmed(region, downstream=True) if trim else region
 
 def backward_region(
-    roots: dict[fx.Node, int], count: int, reserved: set[fx.Node], read_whole: Iterable[fx.Node], notes: list[str]
+    roots: dict[fx.Node, int], count: int, reserved: set[fx.Node], read_whole: Iterable[fx.Node], notes: list[str], blocks: Blocks | None = None
 ) -> Region | None:
     """The row-local ops producing a Flash-RS site's matmul operands (``roots``, with the axis
     their pieces are cut along), or None if there is nothing to compute there or it would form
@@ -89,7 +98,7 @@ def backward_region(
                 notes.append(f"not fused: {node.name} would be cut along two dims")
                 return None
             continue
-        cut = input_axes(node, along, count) if node.op == "call_function" and node not in reserved else None
+        cut = input_axes(node, along, count, blocks) if node.op == "call_function" and node not in reserved else None
         if cut is None and is_attention(node) and node not in reserved:
             note = f"not fused: {node.name} is computed whole ({attention_refusal(node, along)})"
             notes += [note] if note not in notes else []
@@ -99,7 +108,7 @@ def backward_region(
         stack += [(i, a) for i, a in cut.items() if a is not None]
         if is_attention(node):  # its outputs are computed per piece
             stack += [(u, along) for u in node.users]
-    region = _trimmed(Region(axis, count), downstream=False) if axis else None
+    region = _trimmed(Region(axis, count, blocks=blocks), downstream=False) if axis else None
     if region is None or any(u.target is not operator.getitem for n in region.axis if is_attention(n) for u in n.users):
         return None
     outside = {i for n in region.axis for i in n.all_input_nodes if i not in region.axis} | set(read_whole)
@@ -121,7 +130,7 @@ def _trimmed(region: Region, downstream: bool) -> Region | None:
     kept |= {n for n in order if n.target is operator.getitem and n.args[0] in kept}  # attention's outputs
     if all(n.target in VIEWS for n in kept):
         return None
-    return Region({n: a for n, a in region.axis.items() if n in kept or n in region.given}, region.count, region.given)
+    return dataclasses.replace(region, axis={n: a for n, a in region.axis.items() if n in kept or n in region.given})
 
 class _AfterWaits:
     """Whether a node depends on ``wait`` or on any wait after it: a step cannot read those,

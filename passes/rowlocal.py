@@ -11,8 +11,10 @@ cut: one head group's projection), and attention (:mod:`.attention`).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from math import prod
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,15 +28,39 @@ REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.
 SQUEEZES = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 VIEWS = {*RESHAPES, *SQUEEZES, aten.permute.default, aten.unsqueeze.default, aten.expand.default, operator.getitem}
 
-def input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None] | None:
-    """For ``node`` cut into ``count`` pieces along ``axis``: the axis each tensor input is cut
-    along (None: read whole), or None if piece q of the output is not computable from piece q
-    of its inputs."""
-    axes = _input_axes(node, axis, count)
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Pieces whose sizes are known only at run time (an all-to-all's split sizes, read from a
+    tensor with ``.tolist()``): ``sizes``, the nodes computing them (or ints), along an axis of
+    size ``total``, their sum. Every axis cut into them has that size; a piece is a
+    ``split_with_sizes`` block and a reshape of one keeps its cut dim as -1."""
+
+    sizes: tuple[fx.Node | int, ...]
+    total: Any  # (a SymInt: the sum of the sizes)
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+
+def cuttable(size: Any, count: int, blocks: Blocks | None = None) -> bool:
+    """Whether an axis of ``size`` can be cut into the pieces: ``count`` equal ones at a size
+    baked into the code (a static size), or ``blocks`` (its size is theirs)."""
+    if blocks is not None:
+        return same_size(size, blocks.total)
+    return isinstance(size, int) and size % count == 0
+
+
+def input_axes(node: fx.Node, axis: int, count: int, blocks: Blocks | None = None) -> dict[fx.Node, int | None] | None:
+    """For ``node`` cut into ``count`` pieces along ``axis`` (equal ones, or ``blocks``): the
+    axis each tensor input is cut along (None: read whole), or None if piece q of the output is
+    not computable from piece q of its inputs."""
+    axes = _input_axes(node, axis, count, blocks)
     if axes is None:
         return None
-    # Pieces are cut at sizes baked into the code: every cut axis must have a static size.
-    if any(along is not None and isinstance(fake(i), torch.Tensor) and not isinstance(fake(i).shape[along], int) for i, along in axes.items()):
+    # Pieces are cut at sizes baked into the code (or at the blocks' sizes): every cut axis
+    # must have a static size (or the blocks' total).
+    if any(along is not None and isinstance(fake(i), torch.Tensor) and not _cut_size_ok(fake(i).shape[along], blocks) for i, along in axes.items()):
         return None
     for i in node.all_input_nodes:  # symbolic sizes passed along (a reshape's sizes): read whole
         if isinstance(fake(i), torch.SymInt):
@@ -42,11 +68,15 @@ def input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None
     return axes
 
 
-def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | None] | None:
+def _cut_size_ok(size: Any, blocks: Blocks | None) -> bool:
+    return same_size(size, blocks.total) if blocks is not None else isinstance(size, int)
+
+
+def _input_axes(node: fx.Node, axis: int, count: int, blocks: Blocks | None) -> dict[fx.Node, int | None] | None:
     if node.target is operator.getitem and is_attention(node.args[0]):  # (also its per-call outputs)
-        return {node.args[0]: axis}
+        return None if blocks is not None else {node.args[0]: axis}
     out = fake(node)
-    if isinstance(out, torch.Tensor) and (axis >= out.dim() or not isinstance(out.shape[axis], int) or out.shape[axis] % count):
+    if isinstance(out, torch.Tensor) and (axis >= out.dim() or not cuttable(out.shape[axis], count, blocks)):
         return None
     inputs = [i for i in node.all_input_nodes if not isinstance(fake(i), torch.SymInt)]
     if node.target not in RESHAPES and len(inputs) < len(node.all_input_nodes):
@@ -55,7 +85,8 @@ def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | Non
         return None
     target = node.target
     if target in RESHAPES:
-        return _single(inputs[0], reshape_axis(list(out.shape), axis, list(fake(inputs[0]).shape), count))
+        other = list(fake(inputs[0]).shape)
+        return _single(inputs[0], reshape_axis(list(out.shape), axis, other, count) if blocks is None else _same_axis(list(out.shape), axis, other))
     if target is aten.permute.default:
         return _single(inputs[0], list(node.args[1])[axis] % out.dim())
     if target is aten.unsqueeze.default:
@@ -70,7 +101,7 @@ def _input_axes(node: fx.Node, axis: int, count: int) -> dict[fx.Node, int | Non
     if target in (MM, ADDMM):
         return _matmul_axes(node, axis)
     if target in ATTENTION:
-        return attention_axes(node, axis)
+        return attention_axes(node, axis) if blocks is None else None  # (query splits: equal pieces only)
     if isinstance(target, torch._ops.OpOverload) and _pointwise(target) and isinstance(out, torch.Tensor):
         return _broadcast_axes(out.shape, inputs, axis)
     return None
@@ -96,6 +127,15 @@ def reshape_axis(shape: list[int], axis: int, other: list[int], count: int) -> i
             return j if divides(trailing, run) and divides(count, size) else None
         if not statically_known_true(prod(other[:j]) <= leading):
             break
+    return None
+
+def _same_axis(shape: list[Any], axis: int, other: list[Any]) -> int | None:
+    """The axis of ``other`` (a reshape of ``shape``) that is ``shape``'s ``axis`` unchanged:
+    the same elements before it and the same size (pieces of unknown size stay pieces only so)."""
+    leading = prod(shape[:axis])
+    for j, size in enumerate(other):
+        if same_size(prod(other[:j]), leading) and same_size(size, shape[axis]):
+            return j
     return None
 
 def _squeezed_input_axis(node: fx.Node, axis: int) -> int:

@@ -7,12 +7,15 @@ rewrite fills ``steps``; order pins them; report turns the Site into a record.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.fx as fx
 
 from .graph_utils import fake, left_operand, right_operand
+
+if TYPE_CHECKING:
+    from .rowlocal import Blocks
 
 PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all"]
 Decision = Literal["pending", "rewrite", "skip"]
@@ -104,6 +107,9 @@ class Site:
     # are computed on as this one.
     chunk_dtype: torch.dtype | None = None
     reduce_op: str = "sum"  # reduce-scatter: "sum" or "avg"
+    # All-to-all with split sizes known only at run time: the N blocks of its input and of its
+    # result along dim 0 (:class:`~.rowlocal.Blocks`), None where the splits are static.
+    blocks: tuple[Blocks, Blocks] | None = None
     consumers: list[Consumer] = dataclasses.field(default_factory=list)
     # Flash-AG: the row-local ops between the gathered tensor and its consumers' sources
     # (computed on each piece before the matmuls: :mod:`.prologue`).
@@ -138,7 +144,9 @@ def symbolic_problem(site: Site) -> str | None:
     """Why symbolic sizes keep the site from being cut, if they do. Pieces are cut along the
     site's dim at sizes baked into the code, so that dim must be static; other dims (a batch
     that ``torch.compile`` made dynamic) may be symbolic, one per tensor (it becomes the -1 of
-    each reshape)."""
+    each reshape). An all-to-all with run-time splits is cut by its split sizes instead."""
+    if site.blocks is not None:
+        return None
     shape = fake(site.tensor).shape
     if not isinstance(shape[site.dim], int):
         return f"dim {site.dim} of {list(shape)} has the symbolic size {shape[site.dim]}: its pieces cannot be cut statically"

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = [
@@ -271,7 +272,7 @@ def build_titan_qwen3_moe(
     ``num_experts`` / ``top_k``, routed experts ``num_experts`` / ``top_k``, every place the
     config carries them, and the router gate's ``out_features``). With ``ep > 1`` two more:
 
-    8. fake token-count exchange: each ``AllToAllTokenDispatcher._token_count_exchange`` (an
+    8. fake token-count exchange (under the fake process group only): each ``AllToAllTokenDispatcher._token_count_exchange`` (an
        instance attribute, the class is untouched) returns this rank's own counts as if every
        rank had routed the same way (``counts.view(ep, -1).clone()``, what the fake group
        gives in eager) instead of an all-to-all. Compiled, the fake all-to-all's output is
@@ -298,7 +299,7 @@ def build_titan_qwen3_moe(
     if ep > 1 and ep != world_size:
         raise ValueError(f"ep must be 1 or world_size ({world_size}), got {ep}")
     model, inputs = _titan_parallelize(config, world_size, spmd_backend, ep=ep, batch=batch, seq=seq)
-    if ep > 1:
+    if ep > 1 and dist.get_backend() == "fake":  # (on real ranks the real count exchange runs)
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
         for module in model.modules():

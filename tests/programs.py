@@ -430,7 +430,7 @@ def generated_code(program: str, options: dict | None = None) -> list[str]:
 
 _START = re.compile(r"^\s*(buf\d+) = torch\.ops\.commfuse\.ring_exchange\.default\(")
 _ALIAS = re.compile(r"^\s*(buf\d+) = (buf\d+)\s*$")
-_WAIT = re.compile(r"torch\.ops\.commfuse\.wait_exchange\.default\((buf\d+), \w+\)")
+_WAIT = re.compile(r"torch\.ops\.commfuse\.wait_exchange\.default\((buf\d+), ")
 _MM = re.compile(r"extern_kernels\.(mm|addmm)\(")
 
 

@@ -75,7 +75,10 @@ CASES = {
         {"spmd_backend": "spmd_types", "ep": WORLD},
         {
             ("forward", AG): (3, 3), ("forward", RS): (3, 2), ("backward", AG): (3, 2), ("backward", RS): (3, 3),
-            ("forward", A2A): (4, 0), ("backward", A2A): (4, 0),
+            # dispatch and combine (splits known at run time): the combine is read by the
+            # scores multiply (row-local, computed per block), its gradient comes from one;
+            # the dispatch and its gradient meet only the token permutation (left alone)
+            ("forward", A2A): (4, 2), ("backward", A2A): (4, 2),
         },
     ),
     "hf_llama": ("hf_llama", {}, PLAIN_TP),

@@ -54,12 +54,14 @@ def test_all_to_all_hides_all_but_the_first_and_last_block():
     """One matmul before (0.8 s whole) and one after: vanilla computes, exchanges 3 blocks of 5 ms
     each, computes; the pairwise steps compute block r + 1 first (0.2 s) and the last arrived
     block after the last step (0.2 s), everything else overlapping its step's transfer."""
-    a2a = Workload("all_to_all", 4, (Matmul(400, 1000, 1000), Matmul(400, 1000, 1000)), 4_000_000, torch.float32, before=1)
+    from commfuse_compile.passes.all_to_all import timelines
+
+    a2a = Workload("all_to_all", 4, (Matmul(400, 1000, 1000), Matmul(400, 1000, 1000)), 4_000_000, torch.float32, before=1, timelines=timelines)
     assert estimate(a2a, ROUND, "vanilla").seconds == pytest.approx(0.8 + 3 * 0.005 + 0.8)
     ring = estimate(a2a, ROUND, "ring", 1)
     assert ring.seconds == pytest.approx(8 * 0.2)  # 4 blocks before, 4 after, one lane
     assert ring.exposed_comm == pytest.approx(0.0)
-    after_only = Workload("all_to_all", 4, (Matmul(400, 1000, 1000),), 4_000_000, torch.float32)
+    after_only = Workload("all_to_all", 4, (Matmul(400, 1000, 1000),), 4_000_000, torch.float32, timelines=timelines)
     assert estimate(after_only, ROUND, "ring", 1).seconds == pytest.approx(4 * 0.2)
 
 

@@ -501,7 +501,73 @@ def test_token_count_exchange_is_never_decomposed(world):
     count, tokens = report.sites
     assert count.action == "skipped" and "is read on the host (_local_scalar_dense" in count.reason, count.reason
     assert "decomposing it would only delay that sync" in count.reason
-    assert tokens.action == "skipped" and "splits known only at run time" in tokens.reason
+    # (its splits are known only at run time, which is supported; with nothing row-local next
+    # to it there is nothing to overlap)
+    assert tokens.action == "skipped" and tokens.reason.startswith("no row-local compute before or after the all-to-all"), tokens.reason
+
+
+def test_runtime_split_steps_sizes_and_peers_of_every_rank(world):
+    """An MoE layer whose dispatch and combine splits are the token counts read with
+    ``.tolist()``: on every rank of 8, each of the four data all-to-alls (forward and backward)
+    is N − 1 steps, step k sending block r + k of a ``split_with_sizes`` by the input splits to
+    r + k and receiving from r − k as many rows as the output split of r − k says; the counts
+    exchange is left alone. The plan is the same on every rank (it depends on no size)."""
+    import routed
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    x, w1, w2 = routed.inputs(0, WORLD, torch.float32)
+    graphs = post_grad_graphs(routed.routed_moe, x, w1, w2, routed.routing("balanced", 0, WORLD, 0))
+    split = torch.ops.aten.split_with_sizes.default
+    for kind, graph in graphs.items():
+        data = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default and isinstance(n.args[1][0], torch.fx.Node)]
+        assert len(data) == 2
+        for r in range(WORLD):
+            rewritten, sites, _ = rewrite_as(graph, r, kind, pin_order=False)  # (unpinned: a block's inputs are its own)
+            decisions = [(s.pattern, s.decision) for s in sites]
+            assert decisions == [("all_to_all", "skip")] * (kind == "forward") + [("all_to_all", "rewrite")] * 2, [s.reason for s in sites]
+            starts = ring_exchanges(rewritten)
+            assert len(starts) == 2 * (WORLD - 1)
+            for site, collective, steps in zip(sites[-2:], data, (starts[: WORLD - 1], starts[WORLD - 1 :])):
+                out_splits, in_splits = (list(collective.args[i]) for i in (1, 2))
+                for k, start in enumerate(steps, start=1):
+                    sent, send_to, recv_from, _, _, rows = exchange_args(start)
+                    assert (send_to, recv_from) == ((r + k) % WORLD, (r - k) % WORLD)
+                    assert rows.name == out_splits[recv_from].name  # the output split of its source
+                    origins, stack = set(), [sent]  # what it is computed from (a gate, the expert FFN)
+                    while stack:
+                        node = stack.pop()
+                        if node.target is operator.getitem and node.args[0].target is split:
+                            origins.add(("block", node.args[1], tuple(n.name for n in node.args[0].args[1])))
+                        elif node.target is WAIT_EXCHANGE:
+                            origins.add(("received from", exchange_args(node.args[0])[2]))
+                        else:
+                            stack += node.all_input_nodes
+                    if site is sites[-2]:  # dispatch (or the combine's gradient): block r + k of the input
+                        assert origins == {("block", send_to, tuple(n.name for n in in_splits))}, origins
+                    else:  # combine: the FFN's output for the tokens that came from r + k, sent straight back
+                        assert origins <= {("block", send_to, tuple(n.name for n in in_splits)), ("received from", send_to)}, origins
+                assert [step.chunk for step in site.steps] == [(r - k) % WORLD for k in range(1, WORLD)]
+            own = [n for n in rewritten.nodes if n.target is torch.ops.aten._assert_scalar.default and "own block" in str(n.args[1])]
+            assert len(own) == 2  # the own block's two size symbols asserted equal, per all-to-all
+
+
+def test_runtime_split_all_to_all_is_timed_at_balanced_routing(world):
+    """``auto`` times a run-time-split all-to-all at balanced routing (the static token count
+    cut into N equal blocks: no size only one rank knows) and decides with a reason; the
+    estimates are numbers, the same whatever the routing of the traced call."""
+    import routed
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    x, w1, w2 = routed.inputs(0, WORLD, torch.float32)
+    estimates = []
+    for kind in ("balanced", "one_rank"):
+        graph = post_grad_graphs(routed.routed_moe, x, w1, w2, routed.routing(kind, 0, WORLD, 0))["forward"]
+        _, sites, _ = rewrite_as(graph, 3, "forward", schedule="auto", profile="h100-nvlink")
+        dispatch = sites[1]
+        assert dispatch.reason.startswith(("auto (", "Flash-All-to-All")) and "auto (h100-nvlink)" in dispatch.reason, dispatch.reason
+        assert set(dispatch.estimates) == {"vanilla", "ring(m=1)"} and all(type(v) is float for v in dispatch.estimates.values())
+        estimates.append(dispatch.estimates)
+    assert estimates[0] == estimates[1]
 
 
 def test_ulysses_steps_compute_projections_and_query_split_attention(world):
