@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 SCHEDULES = ("auto", "ring", "bidirectional", "slicing", "off")
-PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "all_to_all")
+PATTERN_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "all_to_all", "moe_ep")
 # torch.compile's modes as Inductor defines them (torch._inductor.list_mode_options), less
 # "lite": it turns Inductor's post-grad passes off, and the commfuse pass is one of them.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -45,8 +45,9 @@ class CommfuseOptions:
         flash_rs: decompose matmul → reduce-scatter at all.
         flash_ar: split an all-reduce between matmuls into a reduce-scatter and an all-gather,
             each then decomposed as above (Flash-RS, Flash-AG) where its pattern allows.
-        flash_a2a: decompose an equal-split all-to-all next to row-local compute into
-            pairwise steps (Flash-All-to-All).
+        flash_a2a: decompose an all-to-all next to row-local compute into pairwise steps
+            (Flash-All-to-All), and an expert-parallel MoE layer's dispatch, experts and
+            combine into one pipeline over the source ranks (``moe_ep``).
         fusion: compute the row-local ops next to each ring inside its steps: after Flash-AG
             the elementwise ops, norms over the last dim and replicated-weight matmuls that
             follow; before Flash-RS the ops that produce its matmul's input, including

@@ -96,3 +96,39 @@ def all_to_all_steps(n: int, r: int) -> list[Move]:
     r + k and receives block r − k of the result from rank r − k (every rank shifts by k, so
     each send meets its peer's receive); the own block (k = 0) never travels."""
     return [Move(0, k, (r - k) % n, (r + k) % n, (r - k) % n, sends=True, receives=True) for k in range(1, n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStep:
+    """One step of the expert-parallel pipeline on rank r (:func:`moe_ep_steps`)."""
+
+    dispatch: Move | None  # send my tokens for r + k's experts there, receive r − k's for mine
+    combine: Move | None  # send the experts' results for r − k's tokens back, receive mine from r + k
+    experts_on: int | None  # whose tokens (a source rank) the experts run on meanwhile
+
+
+def moe_ep_steps(n: int, r: int) -> list[ExpertStep]:
+    """Dispatch → experts → combine on rank r of n, one source rank's tokens at a time.
+
+    Dispatch step k (k = 1 .. n-1) is Flash-All-to-All's step k; combine step k sends the
+    results for r − k's tokens back to r − k and receives this rank's tokens' results from
+    r + k (the reverse shift: each send meets its peer's receive). Step i starts dispatch step
+    i and combine step i − 2 and runs the experts on the tokens that arrived at step i − 1 (its
+    own at step 1: nothing waits on the network first): the results for r − k go back one step
+    after they are computed, while the next tokens' experts run. Only the last combine step
+    (one block) has nothing to overlap::
+
+        i = 1:      dispatch 1                  experts on r (own tokens)
+        i = 2:      dispatch 2                  experts on r − 1
+        i = 3:      dispatch 3,  combine 1      experts on r − 2
+        ...
+        i = n:                   combine n − 2  experts on r − (n − 1)
+        i = n + 1:               combine n − 1
+    """
+    steps = []
+    for i in range(1, n + 2):
+        dispatch = all_to_all_steps(n, r)[i - 1] if i <= n - 1 else None
+        back = i - 2
+        combine = Move(0, -back, (r + back) % n, (r - back) % n, (r + back) % n, sends=True, receives=True) if 1 <= back <= n - 1 else None
+        steps.append(ExpertStep(dispatch, combine, (r - (i - 1)) % n if i <= n else None))
+    return steps

@@ -33,6 +33,7 @@ from .fusion import Fuse
 from .graph_utils import GraphSnapshot, collapse_wait_chains, erase_dead, recording
 from .hold import hold_sent_tensors
 from .matmul_reduce_scatter import MatmulReduceScatter
+from .moe_ep import MoeExpertParallel
 from .order import pin_ring_order
 from .pattern import Pattern
 from .plan import one_ring_per_matmul, plan_site
@@ -45,8 +46,9 @@ __all__ = ["PATTERNS", "Pattern", "Site", "find_sites", "graph_kind", "group_ran
 
 # Every pattern, by its one name (Site.pattern, SiteRecord.pattern, min_speedup's keys). An
 # all-reduce is split into one of the first two (its halves); the others emit their own steps.
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter(), AllReduce(), AllToAll())}
-_BY_COLLECTIVE = {target: p for p in PATTERNS.values() for target in p.collectives}
+# A collective several patterns know is offered to them in this order, the specific form first.
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (AllGatherMatmul(), MatmulReduceScatter(), AllReduce(), MoeExpertParallel(), AllToAll())}
+_BY_COLLECTIVE = {target: [p for p in PATTERNS.values() if target in p.collectives] for target in set().union(*(p.collectives for p in PATTERNS.values()))}
 
 
 def group_rank(group_name: str) -> int:
@@ -66,7 +68,13 @@ def graph_kind(graph: fx.Graph, is_inference: bool) -> str:
 def find_sites(graph: fx.Graph, kind: str) -> list[Site]:
     """Stage 1 — match: a Site for every collective some pattern knows, in graph order
     ("pending" when recognised, "skip" with the reason otherwise). Nothing is mutated."""
-    sites = [_BY_COLLECTIVE[node.target].match(node, kind) for node in graph.nodes if node.target in _BY_COLLECTIVE]
+    sites: list[Site] = []
+    claimed: set[fx.Node] = set()  # collectives a site rewrites besides its own
+    for node in graph.nodes:
+        if node.target in _BY_COLLECTIVE and node not in claimed:
+            site = next(s for p in _BY_COLLECTIVE[node.target] if (s := p.match(node, kind)) is not None)
+            claimed |= PATTERNS[site.pattern].claims(site)
+            sites.append(site)
     for i, site in enumerate(sites):
         site.key = (i,)
     return sites

@@ -5,7 +5,8 @@ per pattern: :mod:`.all_gather_matmul`, :mod:`.matmul_reduce_scatter`, and :mod:
 which splits into one of each) states in its docstring what it matches, what the cost model
 times and what it emits, and implements:
 
-- ``match``: a :class:`~.site.Site` for each collective it recognises (skips carry their reason);
+- ``match``: a :class:`~.site.Site` for each collective it recognises (skips carry their reason),
+  or None to leave it to the next pattern of the same collective (a specific form first);
 - ``keep_computable`` / ``cut_problem``: whether the matched matmuls can be cut into pieces;
 - ``workload``: the cost model's :class:`~commfuse_compile.cost_model.Workload` of a match, from
   what every rank of the group shares;
@@ -41,8 +42,14 @@ class Pattern:
     option: ClassVar[str]  # the option that turns the pattern off ("flash_ag")
     collectives: ClassVar[frozenset]  # the collective ops whose sites this pattern makes
 
-    def match(self, node: fx.Node, graph_kind: str) -> Site:
+    def match(self, node: fx.Node, graph_kind: str) -> Site | None:
+        """A Site for ``node`` (a skip carries its reason), or None where the node is not in
+        this pattern's form and the next pattern for its collective should look at it."""
         raise NotImplementedError(f"{type(self).__name__} does not define match()")
+
+    def claims(self, site: Site) -> set[fx.Node]:
+        """Other collectives the site rewrites too (an MoE layer's combine): no site of their own."""
+        return set()
 
     def keep_computable(self, site: Site, tensor: list[int]) -> str | None:
         """Drop (or refuse) matmuls that cannot be cut into the N chunks; why the whole site

@@ -102,14 +102,14 @@ def _input_axes(node: fx.Node, axis: int, count: int, blocks: Blocks | None) -> 
         return _matmul_axes(node, axis)
     if target in ATTENTION:
         return attention_axes(node, axis) if blocks is None else None  # (query splits: equal pieces only)
-    if isinstance(target, torch._ops.OpOverload) and _pointwise(target) and isinstance(out, torch.Tensor):
+    if isinstance(target, torch._ops.OpOverload) and is_pointwise(target) and isinstance(out, torch.Tensor):
         return _broadcast_axes(out.shape, inputs, axis)
     return None
 
 def _single(node: fx.Node, axis: int | None) -> dict[fx.Node, int | None] | None:
     return None if axis is None else {node: axis}
 
-def _pointwise(target: torch._ops.OpOverload) -> bool:
+def is_pointwise(target: torch._ops.OpOverload) -> bool:
     """Pointwise, and safe to run per piece: not random, not in-place."""
     tags = target.tags
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags and not target._schema.is_mutable

@@ -17,7 +17,7 @@ from .graph_utils import fake, left_operand, right_operand
 if TYPE_CHECKING:
     from .rowlocal import Blocks
 
-PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all"]
+PatternName = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all", "moe_ep"]
 Decision = Literal["pending", "rewrite", "skip"]
 
 

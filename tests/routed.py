@@ -34,6 +34,38 @@ def routed_moe(x, w1, w2, destination):
     return back * gate
 
 
+LOCAL_EXPERTS = 2
+
+
+def grouped_experts(x, w1, w2, expert):
+    """An MoE layer as torchtitan's all-to-all token dispatcher runs it: each token (sorted by
+    ``expert``, its global expert of N·e) goes to the rank holding that expert; the rank permutes
+    what arrived from rank-major (by source rank) to expert-major order, runs its e experts as
+    grouped matmuls (``torch._grouped_mm`` with cumulative offsets; w1 [e, H, F], w2 [e, F, H]),
+    permutes back and combines. The experts compute in bf16, as torchtitan's do (and as CPU's
+    grouped matmul requires)."""
+    group = dist.group.WORLD
+    n, e = dist.get_world_size(), w1.shape[0]
+    counts = (expert.unsqueeze(1) == torch.arange(n * e)).sum(0)  # my tokens per global expert
+    per_source = funcol.all_to_all_single(counts.view(n, e), None, None, group)  # T: [source rank, my expert]
+    send, recv = counts.view(n, e).sum(1).tolist(), per_source.sum(1).tolist()
+    for size in (*send, *recv):
+        torch._check(size >= 0)
+    gate = torch.sigmoid(x.mean(-1, keepdim=True))
+    routed = funcol.all_to_all_single_autograd(x * gate, recv, send, group)
+    # rank-major (source j, then its tokens by my expert) -> expert-major
+    rows = sum(recv)
+    local = torch.arange(e).repeat(n).repeat_interleave(per_source.reshape(-1), output_size=rows)
+    perm = torch.sort(local, stable=True).indices
+    offsets = torch.cumsum(per_source.sum(0), 0, dtype=torch.int32)
+    h = F.silu(torch._grouped_mm(routed[perm].bfloat16(), w1.bfloat16(), offsets))  # (CPU: bf16 only)
+    y = torch._grouped_mm(h, w2.bfloat16(), offsets).to(x.dtype)
+    back = routed.new_empty(routed.shape)
+    back[perm] = y
+    out = funcol.all_to_all_single_autograd(back, send, recv, group)
+    return out * gate
+
+
 def two_layers(x, w1, w2, destination):
     """Two MoE layers back to back, the second routed differently (its tokens rolled by one
     destination): four runtime-split all-to-alls in a row, for ordering and matching peers."""
@@ -57,6 +89,24 @@ def routing(kind: str, rank: int, world: int, call: int, tokens: int = TOKENS) -
         high = world - 1 if kind == "empty_rank" else world
         dest = torch.randint(0, high, (tokens,), generator=gen)
     return dest.sort().values
+
+
+def expert_routing(kind: str, rank: int, world: int, call: int, tokens: int = TOKENS) -> torch.Tensor:
+    """Each token's global expert (of N·e), sorted: as :func:`routing` by rank, with the
+    expert within the rank from a seed (``empty_expert``: never a rank's last expert)."""
+    rank_of = routing("random" if kind == "empty_expert" else kind, rank, world, call, tokens)
+    gen = torch.Generator().manual_seed(7 + 1000 * call + rank)
+    high = LOCAL_EXPERTS - 1 if kind == "empty_expert" else LOCAL_EXPERTS
+    return (rank_of * LOCAL_EXPERTS + torch.randint(0, high, (tokens,), generator=gen)).sort().values
+
+
+def expert_inputs(rank: int, world: int, dtype: torch.dtype, tokens: int = TOKENS) -> list[torch.Tensor]:
+    """This rank's tokens and its e experts' weights (leaf tensors)."""
+    gen = torch.Generator().manual_seed(77 + rank)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    w1 = torch.randn(LOCAL_EXPERTS, HIDDEN, FFN, generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(LOCAL_EXPERTS, FFN, HIDDEN, generator=gen) / FFN**0.5
+    return [t.to(dtype).requires_grad_() for t in (x, w1, w2)]
 
 
 def inputs(rank: int, world: int, dtype: torch.dtype, tokens: int = TOKENS) -> list[torch.Tensor]:

@@ -35,7 +35,7 @@ from commfuse_compile.report import merge_reports
 pytestmark = pytest.mark.slow  # (a minute in all: eight real models traced and planned)
 
 WORLD = 8
-AG, RS, AR, A2A = "all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all"
+AG, RS, AR = "all_gather_matmul", "matmul_reduce_scatter", "all_reduce"
 EMBEDDING_SKIPS = {
     ("forward", RS): "reduce-scatter input is produced by mul.Tensor",
     ("backward", AG): "no matmul reads the gathered tensor",
@@ -75,10 +75,9 @@ CASES = {
         {"spmd_backend": "spmd_types", "ep": WORLD},
         {
             ("forward", AG): (3, 3), ("forward", RS): (3, 2), ("backward", AG): (3, 2), ("backward", RS): (3, 3),
-            # dispatch and combine (splits known at run time): the combine is read by the
-            # scores multiply (row-local, computed per block), its gradient comes from one;
-            # the dispatch and its gradient meet only the token permutation (left alone)
-            ("forward", A2A): (4, 2), ("backward", A2A): (4, 2),
+            # each layer's dispatch → experts → combine as one moe_ep pipeline, forward and
+            # backward (its dispatch and combine all-to-alls have no site of their own)
+            ("forward", "moe_ep"): (2, 2), ("backward", "moe_ep"): (2, 2),
         },
     ),
     "hf_llama": ("hf_llama", {}, PLAIN_TP),

@@ -2,8 +2,8 @@
 
 torchtitan 0.3.0's Llama3 (both SPMD backends), dense Qwen3 and Qwen3 MoE (``spmd_types``, its
 default; and with expert parallelism over every rank under ``partial_dtensor``, whose eager
-path runs on gloo: the real token-count exchange, dispatch and combine with splits known only
-at run time) under their own TP + SP code, and Hugging Face's Llama (also with
+path runs on gloo: the real token-count exchange, each layer's dispatch → experts → combine
+and its gradient as one ``moe_ep`` pipeline each) under their own TP + SP code, and Hugging Face's Llama (also with
 ``gradient_checkpointing_enable()``) and Qwen3 under their stock TP
 plans (every all-reduce split into Flash-RS and Flash-AG), at world sizes 2 and 4
 (``tests/clients.py``): 2 SGD steps compiled (``schedule="ring"``) and 2 eagerly from the same
@@ -87,7 +87,7 @@ def ranks(request, inductor_cache_dir):
     pool.close()
 
 
-AG, RS, AR, A2A = "all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all"
+AG, RS, AR, MOE = "all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "moe_ep"
 DENSE = {AG: 9, RS: 9}  # forward and backward, as at world size 8 (test_clients.py)
 # MoE: as at world size 8 (5 + 2 gathers, 2 + 3 scatters); Hugging Face: 5 + 11 all-reduces, their
 # halves 4 + 11 Flash-RS and 5 + 4 Flash-AG.
@@ -96,7 +96,7 @@ CLIENTS = {  # case: (builder, its arguments, sites rewritten, compiled by Induc
     "titan_llama3-partial_dtensor": ("titan_llama3", {"spmd_backend": "partial_dtensor"}, DENSE, False),
     "titan_qwen3-spmd_types": ("titan_qwen3", {"spmd_backend": "spmd_types"}, DENSE, False),
     "titan_qwen3_moe-spmd_types": ("titan_qwen3_moe", {"spmd_backend": "spmd_types"}, {AG: 7, RS: 5}, False),
-    "titan_qwen3_moe-ep-partial_dtensor": ("titan_qwen3_moe", {"spmd_backend": "partial_dtensor", "ep": "world"}, {AG: 5, RS: 5, A2A: 4}, True),
+    "titan_qwen3_moe-ep-partial_dtensor": ("titan_qwen3_moe", {"spmd_backend": "partial_dtensor", "ep": "world"}, {AG: 5, RS: 5, MOE: 4}, True),
     "hf_llama": ("hf_llama", {}, {AR: 16, RS: 15, AG: 9}, False),
     # gradient_checkpointing_enable(): the layers' all-reduces again in backward (recomputed), split too
     "hf_llama-gradient_checkpointing": ("hf_llama", {"gradient_checkpointing": True}, {AR: 19, RS: 18, AG: 11}, False),

@@ -65,6 +65,22 @@ def test_all_to_all_hides_all_but_the_first_and_last_block():
     assert estimate(after_only, ROUND, "ring", 1).seconds == pytest.approx(4 * 0.2)
 
 
+def test_moe_pipeline_exposes_only_the_last_combine_step():
+    """Experts of 0.8 s on every token, 5 ms per block transfer: vanilla dispatches (15 ms),
+    computes, combines (15 ms); the pipeline computes the own tokens first (0.2 s) while the
+    first tokens arrive, and only the last combine step (one block) waits at the end."""
+    from commfuse_compile.passes.moe_ep import timelines
+
+    moe = Workload("moe_ep", 4, (Matmul(400, 1000, 1000),), 4_000_000, torch.float32, timelines=timelines)
+    assert estimate(moe, ROUND, "vanilla").seconds == pytest.approx(0.015 + 0.8 + 0.015)
+    pipeline = estimate(moe, ROUND, "ring", 1)
+    assert pipeline.seconds == pytest.approx(0.8 + 0.005)
+    assert pipeline.exposed_comm == pytest.approx(0.005)
+    # transfers longer than a block's experts: the links set the pace
+    slow = Workload("moe_ep", 4, (Matmul(400, 1000, 1000),), 400_000_000, torch.float32, timelines=timelines)
+    assert estimate(slow, ROUND, "ring", 1).seconds > 3 * 0.401
+
+
 def test_reduce_scatter_ring_ends_on_its_own_chunk():
     # Flash-RS: the matmul of step 0 (0.2 s) precedes the first transfer; 3 transfers of 5 ms
     # each overlap the next matmul; the last step adds the last received partial.

@@ -144,3 +144,24 @@ def test_all_to_all_in_the_summary_dot_and_trace(tmp_path):
     report.to_chrome_trace(str(tmp_path / "a2a.json"))
     names = {e["args"]["name"] for e in json.loads((tmp_path / "a2a.json").read_text())["traceEvents"] if e["name"] == "process_name"}
     assert {n.rsplit(": ", 1)[1] for n in names} == {"vanilla", "ring(m=1)"}
+
+
+def test_moe_pipeline_in_the_summary_dot_and_trace(tmp_path):
+    """An MoE layer with runtime splits (torchtitan's form) shows as one moe_ep match: its
+    dispatch and combine steps in the DOT, its modelled pipeline in the Chrome trace; the
+    token-count exchange as a skip with its reason."""
+    import routed
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    with fake_world(WORLD):
+        x, w1, w2 = routed.expert_inputs(0, WORLD, torch.float32)
+        report = explain(routed.grouped_experts, x, w1, w2, routed.expert_routing("balanced", 0, WORLD, 0), options={"schedule": "ring"}, codegen=False)
+    counts, moe = (s for s in report.sites if s.graph == "forward")
+    assert counts.action == "skipped" and "read on the host" in counts.reason
+    assert moe.pattern == "moe_ep" and moe.action == "rewritten" and len(moe.steps) == 2 * (WORLD - 1)
+    assert "moe_ep" in report.summary()
+    dot = open(report.to_dot(str(tmp_path / "moe.dot"))).read()
+    assert all(f'"{step.start}" [' in dot for step in moe.steps)
+    report.to_chrome_trace(str(tmp_path / "moe.json"))
+    names = {e["args"]["name"] for e in json.loads((tmp_path / "moe.json").read_text())["traceEvents"] if e["name"] == "process_name"}
+    assert {n.rsplit(": ", 1)[1] for n in names if "moe_ep" in n} == {"vanilla", "ring(m=1)"}

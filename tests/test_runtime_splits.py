@@ -24,7 +24,12 @@ pytestmark = pytest.mark.slow
 # Balanced; every token to one rank (the others receive nothing); all local (nothing travels);
 # random; random with the last rank receiving nothing; random again (new sizes, same graph).
 ROUTINGS = ["balanced", "one_rank", "local", "random", "empty_rank", "random"]
-PROGRAMS = {"one_layer": routed.routed_moe, "two_layers": routed.two_layers}
+# program: (function, its inputs, its routing, sites other than the counts exchange per layer)
+PROGRAMS = {
+    "one_layer": (routed.routed_moe, routed.inputs, routed.routing),
+    "two_layers": (routed.two_layers, routed.inputs, routed.routing),
+    "grouped_experts": (routed.grouped_experts, routed.expert_inputs, routed.expert_routing),
+}
 # Per layer: the counts exchange, left alone; dispatch and combine, and their backward ones.
 COUNTS = ("forward", "all_to_all", "skipped")
 DATA = [("forward", "all_to_all", "rewritten")] * 2 + [("backward", "all_to_all", "rewritten")] * 2
@@ -47,15 +52,15 @@ def check_routings(program: str, dtype_name: str, codegen: bool) -> dict:
     torch._dynamo.config.capture_scalar_outputs = True
     dtype = DTYPES[dtype_name]
     rank, world = dist.get_rank(), dist.get_world_size()
-    inputs = routed.inputs(rank, world, dtype)
-    fn = PROGRAMS[program]
+    fn, make_inputs, routing = PROGRAMS[program]
+    inputs = make_inputs(rank, world, dtype)
     options = {"schedule": "ring"} if codegen else {"schedule": "ring", "codegen": False}
     compiled = torch.compile(fn, backend="commfuse", options=options, fullgraph=True)
     seen = len(commfuse_compile.reports())
     registry = work_registry_size()
     diffs, code = [], []
-    for call, kind in enumerate(ROUTINGS):
-        destination = routed.routing(kind, rank, world, call)
+    for call, kind in enumerate(ROUTINGS + ["empty_expert"] * (program == "grouped_experts")):
+        destination = routing(kind, rank, world, call)
         expected = _forward_backward(fn, inputs, destination)
         if call == 0 and codegen:
             actual, code = run_and_get_code(_forward_backward, compiled, inputs, destination)
@@ -68,6 +73,7 @@ def check_routings(program: str, dtype_name: str, codegen: bool) -> dict:
         diffs=diffs,
         compiles=len(reports),
         sites=[(s.graph, s.pattern, s.action) for s in sites],
+        steps=[len(s.steps) for s in sites],
         reasons=[s.reason for s in sites],
         fused=[s.fused for s in sites],
         events=[ring_events(c) for c in code],
@@ -105,6 +111,32 @@ def test_routings_match_eager_with_one_compile(ranks, program, dtype, codegen):
             assert all(mms >= 1 for _, mms, _ in dispatch_steps[1:] or dispatch_steps), forward_code
     worst = max(row["max_abs_diff"] for r in results for call in r["diffs"] for row in call["rows"])
     print(f"\n{program} {dtype} ws={n}: max |commfuse - eager| over {len(ROUTINGS)} routings = {worst:.3g}")
+
+
+@pytest.mark.parametrize("dtype,codegen", [("fp32", True), ("bf16", False)], ids=lambda v: str(v))
+def test_expert_parallel_pipeline_matches_eager(ranks, dtype, codegen):
+    """torchtitan's form (permute to expert-major, grouped experts, permute back) as one
+    ``moe_ep`` pipeline, forward and backward: dispatch and combine steps interleaved, the
+    experts (their input gradients) on each source rank's tokens with its own offsets. The
+    routings include an empty rank and an empty expert; one compile."""
+    results = ranks.run(check_routings, "grouped_experts", dtype, codegen)
+    n = ranks.world_size
+    for rank, result in enumerate(results):
+        assert result["compiles"] == 1, result["compiles"]
+        expected = [COUNTS, ("forward", "moe_ep", "rewritten"), ("backward", "moe_ep", "rewritten")]
+        assert result["sites"] == expected, result["reasons"]
+        assert result["steps"][1:] == [2 * (n - 1)] * 2  # n - 1 dispatch and n - 1 combine steps
+        # forward: 2 grouped matmuls per source rank; backward: the 2 of dX (the weight
+        # gradients read every row: once, after the last block)
+        assert [sum(name.startswith("_grouped_mm") for name in fused) for fused in result["fused"][1:]] == [2, 2], result["fused"]
+        for call in result["diffs"]:
+            for row in call["rows"]:
+                assert row["close"], f"rank {rank} {call['routing']} {row} exceeds {TOLERANCES[DTYPES[dtype]]}"
+        assert result["registry"][1] == result["registry"][0]
+        if codegen:
+            assert [len(events) for events in result["events"]] == [2 * (n - 1)] * 2, result["events"]
+    worst = max(row["max_abs_diff"] for r in results for call in r["diffs"] for row in call["rows"])
+    print(f"\ngrouped_experts {dtype} ws={n}: max |commfuse - eager| = {worst:.3g}")
 
 
 def check_new_token_count() -> dict:

@@ -551,6 +551,61 @@ def test_runtime_split_steps_sizes_and_peers_of_every_rank(world):
             assert len(own) == 2  # the own block's two size symbols asserted equal, per all-to-all
 
 
+@pytest.mark.parametrize("n", range(2, 9))
+def test_moe_ep_steps_pair_every_send_with_its_receive(n):
+    """The expert-parallel pipeline's steps at N = 2..8: every dispatch and combine send of
+    rank r at step i is received by its peer at step i from r; each source rank's tokens are
+    computed on once, the own first, and only after they arrived; each result goes back after
+    it was computed."""
+    from commfuse_compile.schedules import moe_ep_steps
+
+    plans = [moe_ep_steps(n, r) for r in range(n)]
+    for r, steps in enumerate(plans):
+        arrived, computed = {r: 0}, {}
+        for i, step in enumerate(steps):
+            for kind in ("dispatch", "combine"):
+                move = getattr(step, kind)
+                if move is not None:
+                    peer = getattr(plans[move.send_to][i], kind)
+                    assert peer is not None and peer.recv_from == r, (n, r, i, kind)
+                    if kind == "dispatch":
+                        arrived[move.recv_from] = i + 1  # (usable from the next step)
+                    else:
+                        assert computed[move.send_to] < i  # the results for send_to, computed before
+            if step.experts_on is not None:
+                assert arrived[step.experts_on] <= i and step.experts_on not in computed
+                computed[step.experts_on] = i
+        assert steps[0].experts_on == r and sorted(computed) == list(range(n))
+
+
+def test_moe_ep_pipeline_of_every_rank(world):
+    """torchtitan's MoE form (permute, grouped experts, permute back) at EP 8, on every rank:
+    one moe_ep site per layer holding its dispatch and combine (no site of its own), 7 dispatch
+    and 7 combine steps with the peers of ``moe_ep_steps``, the grouped matmuls on each source
+    rank's tokens with offsets ``cumsum(T[j])``, and the values saved for backward put back in
+    expert-major order (``index(cat, [perm])``)."""
+    import routed
+    from commfuse_compile.schedules import moe_ep_steps
+
+    torch._dynamo.config.capture_scalar_outputs = True
+    x, w1, w2 = routed.expert_inputs(0, WORLD, torch.float32)
+    graph = post_grad_graphs(routed.grouped_experts, x, w1, w2, routed.expert_routing("balanced", 0, WORLD, 0))["forward"]
+    grouped = torch.ops.aten._grouped_mm.default
+    for r in range(WORLD):
+        rewritten, sites, _ = rewrite_as(graph, r, "forward", pin_order=False)
+        assert [(s.pattern, s.decision) for s in sites] == [("all_to_all", "skip"), ("moe_ep", "rewrite")], [s.reason for s in sites]
+        expected = [(m.send_to, m.recv_from) for step in moe_ep_steps(WORLD, r) for m in (step.dispatch, step.combine) if m is not None]
+        assert [tuple(exchange_args(n)[1:3]) for n in ring_exchanges(rewritten)] == expected
+        mms = [n for n in rewritten.nodes if n.target is grouped]
+        assert len(mms) == 2 * WORLD  # two grouped matmuls per source rank
+        offsets = {n.args[2] for n in mms}
+        assert len(offsets) == WORLD and all(o.args[0].target is torch.ops.aten.select.int for o in offsets)
+        assert sorted(o.args[0].args[2] for o in offsets) == list(range(WORLD))
+        saved = [n for n in rewritten.nodes if n.target is torch.ops.aten.index.Tensor and n.args[0].target is torch.ops.aten.cat.default]
+        assert saved, "the saved activations are put back in expert-major order"
+        assert not [n for n in rewritten.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default and n is not sites[0].collective]
+
+
 def test_runtime_split_all_to_all_is_timed_at_balanced_routing(world):
     """``auto`` times a run-time-split all-to-all at balanced routing (the static token count
     cut into N equal blocks: no size only one rank knows) and decides with a reason; the
