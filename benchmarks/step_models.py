@@ -10,6 +10,10 @@ compute without collectives, and the same collectives without compute.
 - ``ulysses``: a Ulysses attention layer, sequence-sharded input, replicated q / k / v / o
   weights, an all-to-all each for q, k and v to head groups, causal attention over the whole
   sequence, an all-to-all back and the output projection (Flash-All-to-All; the ring only).
+- ``moe`` / ``moe-skewed``: an expert-parallel MoE layer in torchtitan's form (token counts
+  exchanged and read with ``.tolist()``, dispatch, permute to expert-major, grouped experts in
+  bf16, permute back, combine; ``moe_ep``), routed evenly or with half of every rank's tokens
+  to one peer.
 """
 
 from __future__ import annotations
@@ -253,4 +257,141 @@ class UlyssesWorkload:
         return step
 
 
-WORKLOADS: dict[str, MLPWorkload | UlyssesWorkload] = {w.name: w for w in (MLPWorkload(), UlyssesWorkload())}
+# --- the expert-parallel MoE layer ------------------------------------------------------------
+
+# CPU's grouped matmul (bf16 only) against the fp32 matmul rate the sizing measures (single
+# thread here: [1024, 512] x [2, 512, 1024] at 196 GFLOP/s, fp32 mm 84).
+BF16_GROUPED_SPEEDUP = 2.3
+LOCAL_EXPERTS = 2
+
+
+class ExpertParallelMoE(torch.nn.Module):
+    """An MoE layer with expert parallelism as torchtitan's all-to-all token dispatcher runs
+    it, on this rank's tokens [T, H] with a fixed routing (``expert``: each token's global
+    expert, sorted): count exchange and ``.tolist()``, dispatch, permute to expert-major,
+    ``silu(x W1) W2`` per expert as grouped matmuls in bf16, permute back, combine, gate.
+    ``group`` None (with ``world_size`` 1 and local experts): the all-to-alls are identities,
+    the same compute on this rank's tokens."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, expert: torch.Tensor, group: Any, world_size: int):
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+        self.register_buffer("expert", expert)
+        self.group, self.n = group, world_size
+
+    def _exchange(self, t: torch.Tensor, out_splits: Any = None, in_splits: Any = None, grad: bool = True) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
+
+        if self.group is None:
+            return t
+        exchange = funcol.all_to_all_single_autograd if grad else funcol.all_to_all_single
+        return exchange(t, out_splits, in_splits, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, e = self.n, self.w1.shape[0]
+        counts = (self.expert.unsqueeze(1) == torch.arange(n * e)).sum(0).view(n, e)
+        per_source = self._exchange(counts, grad=False)
+        send, recv = counts.sum(1).tolist(), per_source.sum(1).tolist()
+        for size in (*send, *recv):
+            torch._check(size >= 0)
+        gate = torch.sigmoid(x.mean(-1, keepdim=True))
+        routed = self._exchange(x * gate, recv, send)
+        local = torch.arange(e).repeat(n).repeat_interleave(per_source.reshape(-1), output_size=sum(recv))
+        perm = torch.sort(local, stable=True).indices
+        offsets = torch.cumsum(per_source.sum(0), 0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(routed[perm].bfloat16(), self.w1.bfloat16(), offsets))
+        y = torch._grouped_mm(h, self.w2.bfloat16(), offsets).to(x.dtype)
+        back = routed.new_empty(routed.shape)
+        back[perm] = y
+        return self._exchange(back, send, recv) * gate
+
+
+class MoEWorkload:
+    """The MoE layer: T = S/N tokens [T, H] per rank, e = 2 experts [H, F] / [F, H] per rank;
+    ``skewed``: half of every rank's tokens go to the next rank, the rest evenly."""
+
+    default_rate = "1gbit"
+    variants = ("inductor", "inductor-reorder", "ring", "auto")  # (one pipeline per layer: ring, m = 1)
+    quick = {"S": 64, "H": 32, "F": 64}
+
+    def __init__(self, skewed: bool):
+        self.skewed = skewed
+        self.name = "moe-skewed" if skewed else "moe"
+
+    def quick_sizes(self, n: int) -> dict[str, Any]:
+        return {"S": self.quick["S"] * n, "H": self.quick["H"], "F": self.quick["F"]}
+
+    def plan_sizes(self, n: int, bytes_per_second: float, flops: float, compute_ms: float, comm_ratio: float) -> dict[str, Any]:
+        """S, H, F such that fw+bw compute ≈ ``compute_ms`` and communication ≈ ``comm_ratio`` of it.
+
+        Per rank (balanced) fw + bw is 12·T·H·F FLOP of grouped matmuls (2 forward, 2 for dX,
+        2 for dW), at ``BF16_GROUPED_SPEEDUP`` times the fp32 matmul rate. Four all-to-alls
+        (dispatch, combine and their gradients), each moving (N−1)·T·H·4 bytes in all over the
+        one shaped link. H = 512; F meets the ratio, T the compute target.
+        """
+        per_rank = _per_rank_flops(flops, n) * BF16_GROUPED_SPEEDUP
+        comm_per_th = 4 * (n - 1) * 4 / bytes_per_second  # seconds per unit of T·H
+        f = _round_up(comm_per_th * per_rank / (12 * comm_ratio), 64)
+        h = 512
+        t = _round_up(compute_ms / 1e3 * per_rank / (12 * h * f), 16 * n)
+        return {
+            "S": t * n,
+            "H": h,
+            "F": f,
+            "matmul_flops_per_rank": per_rank,
+            "link_bytes_per_second": bytes_per_second,
+            "estimated_compute_ms": 12 * t * h * f / per_rank * 1e3,
+            "estimated_comm_ms": comm_per_th * t * h * 1e3,
+        }
+
+    def describe(self, sizes: dict[str, Any], n: int) -> str:
+        s, h, f = sizes["S"], sizes["H"], sizes["F"]
+        routing = "half of each rank's tokens to the next rank" if self.skewed else "balanced"
+        return f"T={s // n} tokens [.., {h}] per rank, {LOCAL_EXPERTS} experts of [{h}, {f}] per rank, {routing}"
+
+    def routing(self, tokens: int, rank: int, n: int) -> torch.Tensor:
+        """Each of this rank's tokens' global expert (sorted)."""
+        ranks = torch.arange(tokens) % n
+        if self.skewed:
+            ranks[: tokens // 2] = (rank + 1) % n
+        local = torch.arange(tokens) // n % LOCAL_EXPERTS
+        return (ranks * LOCAL_EXPERTS + local).sort().values
+
+    def build(self, sizes: dict[str, Any], rank: int, n: int, group: Any) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+        """This rank's layer (its experts), tokens and output gradient."""
+        torch._dynamo.config.capture_scalar_outputs = True  # (the splits: .tolist(), as torchtitan's compile sets)
+        t, h, f = sizes["S"] // n, sizes["H"], sizes["F"]
+        gen = torch.Generator().manual_seed(rank)
+        w1 = torch.randn(LOCAL_EXPERTS, h, f, generator=gen) / h**0.5
+        w2 = torch.randn(LOCAL_EXPERTS, f, h, generator=gen) / f**0.5
+        x = torch.randn(t, h, generator=gen).requires_grad_()
+        return ExpertParallelMoE(w1, w2, self.routing(t, rank, n), group, n), x, torch.randn(t, h, generator=gen)
+
+    def compute_only(self, sizes: dict[str, Any], rank: int, n: int) -> Callable[[], None]:
+        """The same layer without the all-to-alls (this rank's tokens stay), Inductor."""
+        model, x, g = self.build(sizes, rank, n, None)
+        model.expert, model.n = model.expert % LOCAL_EXPERTS, 1  # (every token to a local expert)
+        return _inductor_step(model, x, g)
+
+    def comm_only(self, sizes: dict[str, Any], n: int, group: Any) -> Callable[[], None]:
+        """The all-to-alls of one fw+bw step, eagerly: the count exchange, then dispatch and
+        combine and their gradients with this routing's splits."""
+        import torch.distributed as dist
+
+        rank, t, h = dist.get_rank(), sizes["S"] // n, sizes["H"]
+        counts = torch.bincount(self.routing(t, rank, n) // LOCAL_EXPERTS, minlength=n)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        send, recv = counts.tolist(), received.tolist()
+        tokens, arrived = torch.randn(t, h), torch.empty(sum(recv), h)
+
+        def step() -> None:
+            dist.all_to_all_single(received, counts, group=group)
+            for _ in range(2):
+                dist.all_to_all_single(arrived, tokens, recv, send, group=group)
+                dist.all_to_all_single(tokens, arrived, send, recv, group=group)
+
+        return step
+
+
+WORKLOADS: dict[str, Any] = {w.name: w for w in (MLPWorkload(), UlyssesWorkload(), MoEWorkload(False), MoEWorkload(True))}

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "step-time": "step_time.py",
     "compile-time": "compile_time.py",
     "peak-memory": "peak_memory.py",
+    "moe-memory": "moe_memory.py",
     "paper": "simulate_paper.py",
     "calibrate": "calibrate_cpu_profile.py",
 }

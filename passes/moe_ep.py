@@ -35,8 +35,11 @@ Emits (rank r)::
     out = cat(h_r and the received results, in rank order)
 
 A value of F that the graph reads elsewhere (the activations saved for backward, in the
-expert-major layout the backward graph expects) is put back together as
-``index(cat(its blocks), [perm])``, the permutation the original applied.
+expert-major layout the backward graph expects; a weight gradient's Xᵀ·dY over every row) is
+written block by block to its expert-major rows (``index_put`` at ``inverse(perm)``'s block j,
+right after the block is computed, so the copy runs inside the pipeline), and what F reads row
+by row from outside (saved activations, in backward) is gathered per block the same way. The
+backward's offsets per block are derived from perm and the offsets (T is not saved).
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
 from commfuse_compile.cost_model import COLLECTIVE, COMPUTE, Matmul, Workload, collective_seconds, compute_seconds
-from commfuse_compile.piece import CONTIGUOUS
 from commfuse_compile.profiles import HardwareProfile
 from commfuse_compile.schedules import moe_ep_steps
 from commfuse_compile.simulator import Timeline
@@ -259,8 +261,9 @@ class MoeExpertParallel(Pattern):
         tokens: dict[int, fx.Node] = {r: emit(operator.getitem, blocks, r)}  # source rank -> its tokens here
         values: dict[int, dict[fx.Node, fx.Node]] = {}  # source rank -> F's values on its tokens
         results: dict[int, fx.Node] = {}  # destination rank -> my tokens' results from its experts
-        rowwise = {z: _rank_major_blocks(emit, z, found.perm, received) for z in found.rowwise}
-        block_offsets = _OffsetsPerSource(emit, found, received)
+        layout = _ExpertMajor(emit, found, received)
+        block_offsets = _OffsetsPerSource(emit, found, layout)
+        saved = _SavedValues(emit, found, layout)
         exchange = _exchange_op()
         for step in moe_ep_steps(n, r):
             started = []
@@ -274,14 +277,17 @@ class MoeExpertParallel(Pattern):
             if step.experts_on is not None:
                 j = step.experts_on
                 offsets = block_offsets(j)
-                values[j] = _experts_on(emit, found, tokens[j], offsets, {z: emit(operator.getitem, cut, j) for z, cut in rowwise.items()})
+                rowwise = {z: emit(aten.index.Tensor, z, [layout.positions(j)]) for z in found.rowwise}  # (its rows of them)
+                values[j] = _experts_on(emit, found, tokens[j], offsets, rowwise)
                 compute = [values[j][node] for node in found.experts]
+                saved.put(j, values[j])
             for start, kind, move in started:
                 wait = emit(WAIT, start)
                 (tokens if kind == "dispatch" else results)[move.recv_from] = wait
                 site.steps.append(RingStep(chunk=move.recv_from, compute=compute, start=start, wait=wait))
         results[r] = values[r][found.result]  # (the own tokens' results never travel)
-        _replace_readers(graph, emit, site, found, values, tokens, results, n, sent, received)
+        saved.replace_readers(values)
+        _replace_readers(graph, emit, found, tokens, results, n, sent, received)
         site.fused = [found.permuted, *found.experts, found.unpermuted]
         counts = f"cumsum({found.counts.name}[j])" if found.counts is not None else f"derived from {found.perm.name} and {found.offsets.name}"
         site.notes.append(f"per source rank: {', '.join(node.name for node in found.experts)} (offsets {counts})")
@@ -293,42 +299,77 @@ def _exchange_op():
     return ring_exchange_op()
 
 
-def _rank_major_blocks(emit: Emitter, rows: fx.Node, perm: fx.Node, received: Blocks) -> fx.Node:
-    """A tensor F reads row by row, in expert-major order, cut into the source ranks' blocks:
-    its rows put back in rank-major order (as the combine's input is), then split."""
-    rank_major = emit(aten.index_put.default, emit(aten.empty_like.default, rows), [perm], rows)
-    return emit(aten.split_with_sizes.default, rank_major, list(received.sizes), 0)
+class _ExpertMajor:
+    """Where each source rank's tokens sit in the expert-major order: block j's rows are at
+    ``positions(j)``, the inverse of perm (``index_put(empty, [perm], 0..R-1)``, computed once)
+    cut by the blocks."""
+
+    def __init__(self, emit: Emitter, found: Sandwich, received: Blocks):
+        self.emit, self.found, self.received = emit, found, received
+        self.blocks: fx.Node | None = None
+
+    def rows(self):
+        perm = self.found.perm
+        return fake(perm).shape[0] if isinstance(fake(perm).shape[0], int) else self.emit(SYM_SIZE, perm, 0)
+
+    def positions(self, j: int) -> fx.Node:
+        emit, perm = self.emit, self.found.perm
+        if self.blocks is None:
+            inverse = emit(aten.index_put.default, emit(aten.empty_like.default, perm), [perm], _iota(emit, self.rows(), fake(perm).device))
+            self.blocks = emit(aten.split_with_sizes.default, inverse, list(self.received.sizes), 0)
+        return emit(operator.getitem, self.blocks, j)
+
+
+class _SavedValues:
+    """The values of F the graph reads elsewhere (saved for backward, a weight gradient over
+    every row), in the expert-major order it reads them in: each block's rows are put at their
+    positions as soon as the block is computed, so the copy runs inside the pipeline."""
+
+    def __init__(self, emit: Emitter, found: Sandwich, layout: _ExpertMajor):
+        self.emit, self.found, self.layout = emit, found, layout
+        self.readers = {node: readers for node in [found.permuted, *found.experts] if (readers := _outside_readers(found, node))}
+        self.buffers: dict[fx.Node, fx.Node] = {}
+        for node in self.readers:
+            value = fake(node)
+            if all(isinstance(size, int) for size in value.shape[1:]):
+                shape = [layout.rows(), *value.shape[1:]]
+                self.buffers[node] = emit(aten.empty.memory_format, shape, dtype=value.dtype, device=value.device)
+
+    def put(self, j: int, values: dict[fx.Node, fx.Node]) -> None:
+        for node, buffer in self.buffers.items():
+            self.buffers[node] = self.emit(aten.index_put.default, buffer, [self.layout.positions(j)], values[node])
+
+    def replace_readers(self, values: dict[int, dict[fx.Node, fx.Node]]) -> None:
+        for node, readers in self.readers.items():
+            whole = self.buffers.get(node)
+            if whole is None:  # (a symbolic size besides the rows: put together after the last block)
+                blocks = [values[j][node] for j in range(len(values))]
+                whole = self.emit(aten.index.Tensor, self.emit(aten.cat.default, blocks, 0), [self.found.perm])
+            node.replace_all_uses_with(whole, delete_user_cb=lambda user: user in readers)
+
+
+def _outside_readers(found: Sandwich, node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u not in found.experts and u is not found.unpermuted]
 
 
 class _OffsetsPerSource:
     """The expert offsets of source rank j's tokens: ``cumsum(T[j])``; where T is not in the
-    graph (a backward), the same from perm and the offsets: each rank-major row's expert is
-    where perm put it (``bucketize`` of its expert-major position in the offsets), counted
-    per expert within block j."""
+    graph (a backward, which only saved the offsets), the same from perm and the offsets: each
+    row's expert is where its expert-major position falls among the offsets (``bucketize``),
+    counted per expert within block j."""
 
-    def __init__(self, emit: Emitter, found: Sandwich, received: Blocks):
-        self.emit, self.found, self.received = emit, found, received
-        self.experts_of_blocks: fx.Node | None = None
+    def __init__(self, emit: Emitter, found: Sandwich, layout: _ExpertMajor):
+        self.emit, self.found, self.layout = emit, found, layout
 
     def __call__(self, j: int) -> fx.Node:
         emit, found = self.emit, self.found
         if found.counts is not None:
             counts = emit(aten.select.int, found.counts, 0, j)
         else:
-            experts = emit(operator.getitem, self._experts_of_blocks(), j)
+            experts = emit(aten.bucketize.Tensor, self.layout.positions(j), found.offsets, right=True)
             local = _iota(emit, fake(found.offsets).shape[0], fake(found.perm).device)
             counts = emit(aten.sum.dim_IntList, emit(aten.eq.Tensor, emit(aten.unsqueeze.default, experts, 1), local), [0])
         return emit(aten.cumsum.default, counts, 0, dtype=torch.int32)
-
-    def _experts_of_blocks(self) -> fx.Node:
-        if self.experts_of_blocks is None:
-            emit, perm = self.emit, self.found.perm
-            rows = emit(SYM_SIZE, perm, 0) if not isinstance(fake(perm).shape[0], int) else fake(perm).shape[0]
-            positions = _iota(emit, rows, fake(perm).device)
-            expert_major_position = emit(aten.index_put.default, emit(aten.empty_like.default, perm), [perm], positions)
-            experts = emit(aten.bucketize.Tensor, expert_major_position, self.found.offsets, right=True)
-            self.experts_of_blocks = emit(aten.split_with_sizes.default, experts, list(self.received.sizes), 0)
-        return self.experts_of_blocks
 
 
 def _iota(emit: Emitter, length, device: torch.device) -> fx.Node:
@@ -361,21 +402,10 @@ def _same_own_block(emit: Emitter, site: Site, mine, theirs) -> None:
         torch._check(fake(same))
 
 
-def _replace_readers(graph, emit, site, found, values, tokens, results, n, sent, received) -> None:
-    """The combine's readers read the results in rank order; a value of F read elsewhere (saved
-    for backward) reads its blocks in expert-major order again; size readers read the splits."""
+def _replace_readers(graph, emit, found, tokens, results, n, sent, received) -> None:
+    """The combine's readers read the results in rank order, the dispatch's other readers the
+    tokens, size readers the splits."""
     found.combine_wait.replace_all_uses_with(emit(aten.cat.default, [results[j] for j in range(n)], 0))
-    for node in [found.permuted, *found.experts]:
-        readers = [u for u in node.users if u not in found.experts and u is not found.unpermuted]
-        if readers:
-            whole = emit(aten.cat.default, [values[j][node] for j in range(n)], 0)
-            expert_major = emit(aten.index.Tensor, whole, [found.perm])
-            if any(user.op != "output" for user in readers):
-                # (a copy whose layout Inductor cannot change: left to choose, it may lay the
-                # gather out transposed for a weight gradient's Xᵀ, with rows of R elements,
-                # which a grouped matmul refuses unless they are a multiple of 16 bytes)
-                expert_major = emit(CONTIGUOUS, expert_major)
-            node.replace_all_uses_with(expert_major, delete_user_cb=lambda user: user in readers)
     others = [u for u in found.dispatch_wait.users if u is not found.permuted]
     if others:  # the tokens in rank order
         rank_major = emit(aten.cat.default, [tokens[j] for j in range(n)], 0)

@@ -66,6 +66,14 @@ def grouped_experts(x, w1, w2, expert):
     return out * gate
 
 
+def two_expert_layers(x, w1, w2, expert):
+    """Two such MoE layers back to back, the second routed to the next rank's experts: two
+    pipelines in a row each way, for ordering and matching peers."""
+    n = dist.get_world_size() * LOCAL_EXPERTS
+    h = grouped_experts(x, w1, w2, expert)
+    return grouped_experts(h, w1.flip(0), w2, ((expert + LOCAL_EXPERTS) % n).sort().values)
+
+
 def two_layers(x, w1, w2, destination):
     """Two MoE layers back to back, the second routed differently (its tokens rolled by one
     destination): four runtime-split all-to-alls in a row, for ordering and matching peers."""

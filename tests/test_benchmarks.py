@@ -16,6 +16,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)  # the benchmarks are scripts; spawned ranks inherit sys.path
 
 import compile_time  # noqa: E402
+import moe_memory  # noqa: E402
 import peak_memory  # noqa: E402
 import step_models  # noqa: E402
 import step_time  # noqa: E402
@@ -63,6 +64,18 @@ def test_step_time_ulysses_smoke(tmp_path):
     assert results["variants"]["ring"]["ratio_to_inductor"] is None
     sites = results["variants"]["ring"]["sites"]
     assert [(s["graph"], s["pattern"], s["action"]) for s in sites] == [(g, "all_to_all", "rewritten") for g in ("forward", "backward") for _ in range(4)]
+    assert results["parts"]["comm_ms"] > 0 and results["parts"]["compute_ms"] > 0
+
+
+@pytest.mark.slow
+def test_step_time_moe_smoke(tmp_path):
+    # The expert-parallel MoE layer: the count exchange left alone, each direction's dispatch →
+    # experts → combine one moe_ep pipeline; comm-only runs the routing's uneven all-to-alls.
+    results = _run(step_time.main, ["--model", "moe-skewed", "--quick", "--no-shape", "--rounds", "1", "--variants", "ring"], tmp_path / "moe.json")
+    sites = results["variants"]["ring"]["sites"]
+    assert [(s["graph"], s["pattern"], s["action"]) for s in sites] == [
+        ("forward", "all_to_all", "skipped"), ("forward", "moe_ep", "rewritten"), ("backward", "moe_ep", "rewritten")
+    ]
     assert results["parts"]["comm_ms"] > 0 and results["parts"]["compute_ms"] > 0
 
 
@@ -144,6 +157,15 @@ def test_step_time_rate_parsing():
     assert step_time.rate_bytes_per_second("10mbps") == 10e6
 
 
+@pytest.mark.slow
+def test_moe_memory_smoke(tmp_path):
+    results = _run(moe_memory.main, ["--quick"], tmp_path / "moe_memory.json")
+    assert results["benchmark"] == "moe_memory" and set(results["variants"]) == {"inductor", "commfuse"}
+    for variant, ranks in results["variants"].items():
+        assert len(ranks) == 2 and all(rank["peak_increase"] >= 0 for rank in ranks)
+    assert [s["pattern"] for s in results["variants"]["commfuse"][0]["sites"] if s["action"] == "rewritten"] == ["moe_ep", "moe_ep"]
+
+
 def test_peak_memory_model():
     sizes = {"S": 1024, "K": 8, "H": 256}
     full = 1024 * 256 * 4
@@ -152,7 +174,7 @@ def test_peak_memory_model():
     assert peak_memory.analytic_bytes("ring", sizes, 2, 4)["product_held"] == 3 * full // 8
 
 
-@pytest.mark.parametrize("module", [step_time, compile_time, peak_memory], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [step_time, compile_time, peak_memory, moe_memory], ids=lambda m: m.__name__)
 def test_help(module, capsys):
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])

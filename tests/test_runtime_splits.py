@@ -29,6 +29,7 @@ PROGRAMS = {
     "one_layer": (routed.routed_moe, routed.inputs, routed.routing),
     "two_layers": (routed.two_layers, routed.inputs, routed.routing),
     "grouped_experts": (routed.grouped_experts, routed.expert_inputs, routed.expert_routing),
+    "two_expert_layers": (routed.two_expert_layers, routed.expert_inputs, routed.expert_routing),
 }
 # Per layer: the counts exchange, left alone; dispatch and combine, and their backward ones.
 COUNTS = ("forward", "all_to_all", "skipped")
@@ -59,7 +60,7 @@ def check_routings(program: str, dtype_name: str, codegen: bool) -> dict:
     seen = len(commfuse_compile.reports())
     registry = work_registry_size()
     diffs, code = [], []
-    for call, kind in enumerate(ROUTINGS + ["empty_expert"] * (program == "grouped_experts")):
+    for call, kind in enumerate(ROUTINGS + ["empty_expert"] * (program in ("grouped_experts", "two_expert_layers"))):
         destination = routing(kind, rank, world, call)
         expected = _forward_backward(fn, inputs, destination)
         if call == 0 and codegen:
@@ -113,22 +114,27 @@ def test_routings_match_eager_with_one_compile(ranks, program, dtype, codegen):
     print(f"\n{program} {dtype} ws={n}: max |commfuse - eager| over {len(ROUTINGS)} routings = {worst:.3g}")
 
 
-@pytest.mark.parametrize("dtype,codegen", [("fp32", True), ("bf16", False)], ids=lambda v: str(v))
-def test_expert_parallel_pipeline_matches_eager(ranks, dtype, codegen):
+@pytest.mark.parametrize("program,dtype,codegen", [
+    ("grouped_experts", "fp32", True),
+    ("grouped_experts", "bf16", False),
+    ("two_expert_layers", "fp32", False),
+], ids=lambda v: str(v))
+def test_expert_parallel_pipeline_matches_eager(ranks, program, dtype, codegen):
     """torchtitan's form (permute to expert-major, grouped experts, permute back) as one
     ``moe_ep`` pipeline, forward and backward: dispatch and combine steps interleaved, the
     experts (their input gradients) on each source rank's tokens with its own offsets. The
     routings include an empty rank and an empty expert; one compile."""
-    results = ranks.run(check_routings, "grouped_experts", dtype, codegen)
-    n = ranks.world_size
+    results = ranks.run(check_routings, program, dtype, codegen)
+    n, layers = ranks.world_size, 1 if program == "grouped_experts" else 2
     for rank, result in enumerate(results):
         assert result["compiles"] == 1, result["compiles"]
-        expected = [COUNTS, ("forward", "moe_ep", "rewritten"), ("backward", "moe_ep", "rewritten")]
+        expected = [COUNTS, ("forward", "moe_ep", "rewritten")] * layers + [("backward", "moe_ep", "rewritten")] * layers
         assert result["sites"] == expected, result["reasons"]
-        assert result["steps"][1:] == [2 * (n - 1)] * 2  # n - 1 dispatch and n - 1 combine steps
+        pipelines = [i for i, site in enumerate(result["sites"]) if site[1] == "moe_ep"]
+        assert [result["steps"][i] for i in pipelines] == [2 * (n - 1)] * 2 * layers  # n - 1 dispatch and n - 1 combine steps
         # forward: 2 grouped matmuls per source rank; backward: the 2 of dX (the weight
         # gradients read every row: once, after the last block)
-        assert [sum(name.startswith("_grouped_mm") for name in fused) for fused in result["fused"][1:]] == [2, 2], result["fused"]
+        assert [sum(name.startswith("_grouped_mm") for name in result["fused"][i]) for i in pipelines] == [2] * 2 * layers, result["fused"]
         for call in result["diffs"]:
             for row in call["rows"]:
                 assert row["close"], f"rank {rank} {call['routing']} {row} exceeds {TOLERANCES[DTYPES[dtype]]}"
@@ -136,7 +142,7 @@ def test_expert_parallel_pipeline_matches_eager(ranks, dtype, codegen):
         if codegen:
             assert [len(events) for events in result["events"]] == [2 * (n - 1)] * 2, result["events"]
     worst = max(row["max_abs_diff"] for r in results for call in r["diffs"] for row in call["rows"])
-    print(f"\ngrouped_experts {dtype} ws={n}: max |commfuse - eager| = {worst:.3g}")
+    print(f"\n{program} {dtype} ws={n}: max |commfuse - eager| = {worst:.3g}")
 
 
 def check_new_token_count() -> dict:

@@ -583,7 +583,7 @@ def test_moe_ep_pipeline_of_every_rank(world):
     one moe_ep site per layer holding its dispatch and combine (no site of its own), 7 dispatch
     and 7 combine steps with the peers of ``moe_ep_steps``, the grouped matmuls on each source
     rank's tokens with offsets ``cumsum(T[j])``, and the values saved for backward put back in
-    expert-major order (``index(cat, [perm])``)."""
+    expert-major order block by block (``index_put`` at the block's positions)."""
     import routed
     from commfuse_compile.schedules import moe_ep_steps
 
@@ -601,8 +601,9 @@ def test_moe_ep_pipeline_of_every_rank(world):
         offsets = {n.args[2] for n in mms}
         assert len(offsets) == WORLD and all(o.args[0].target is torch.ops.aten.select.int for o in offsets)
         assert sorted(o.args[0].args[2] for o in offsets) == list(range(WORLD))
-        saved = [n for n in rewritten.nodes if n.target is torch.ops.aten.index.Tensor and n.args[0].target is torch.ops.aten.cat.default]
-        assert saved, "the saved activations are put back in expert-major order"
+        put = torch.ops.aten.index_put.default
+        saved = [n for n in rewritten.nodes if n.target is put and n.args[0].target in (torch.ops.aten.empty.memory_format, put)]
+        assert saved and len(saved) % WORLD == 0, "each block's saved activations put at their expert-major rows"
         assert not [n for n in rewritten.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default and n is not sites[0].collective]
 
 
