@@ -59,7 +59,7 @@ from commfuse_compile.schedules import moe_ep_steps
 from commfuse_compile.simulator import Timeline
 
 from .fusion import Fuse
-from .graph_utils import WAIT, Emitter, aten, c10d, fake, hinted, same_size, shape_of
+from .graph_utils import WAIT, Emitter, aten, c10d, fake, hinted, ring_exchange_op, same_size, shape_of
 from .layout import SYM_SIZE, single_wait
 from .pattern import Pattern
 from .rowlocal import Blocks, is_pointwise
@@ -93,17 +93,22 @@ class Sandwich:
         return self.unpermuted.args[2]
 
 
+class NotADispatch(str):
+    """Why an all-to-all is not an MoE dispatch at all (the plain all-to-all pattern's then)."""
+
+
 def sandwich(node: fx.Node) -> Sandwich | str:
-    """The MoE layer whose dispatch is ``node``, or why ``node`` is not one (a reason)."""
+    """The MoE layer whose dispatch is ``node``, or why not: a :class:`NotADispatch` where it
+    is no dispatch (run-time splits, its result permuted), else what of the layer differs."""
     x, out_splits, in_splits = node.args[:3]
     if not _run_time(out_splits) or not _run_time(in_splits):
-        return "splits known when compiled"
+        return NotADispatch("splits known when compiled")
     wait = single_wait(node)
     if wait is None:
-        return "not read through a single wait_tensor"
+        return NotADispatch("not read through a single wait_tensor")
     permuted = [u for u in wait.users if u.target is aten.index.Tensor and u.args[0] is wait and len(u.args[1]) == 1]
     if len(permuted) != 1:
-        return "its result is not permuted (index(y, [perm]))"
+        return NotADispatch("its result is not permuted (index(y, [perm]))")
     (permuted,) = permuted
     perm = permuted.args[1][0]
     experts, rowwise, offsets, problem = _experts(permuted, perm)
@@ -211,12 +216,14 @@ class MoeExpertParallel(Pattern):
 
     def match(self, node: fx.Node, graph_kind: str) -> Site | None:
         found = sandwich(node)
-        if isinstance(found, str):
+        if isinstance(found, NotADispatch):
             return None  # (a plain all-to-all: all_to_all's)
         x, v, u, group_name = node.args[:4]
-        site = Site(self.name, graph_kind, node, found.dispatch_wait, group_name, resolve_process_group(group_name).size())
+        site = Site(self.name, graph_kind, node, single_wait(node), group_name, resolve_process_group(group_name).size())
         site.shapes["tokens"] = shape_of(x)
         site.tensor, site.dim = x, 0
+        if isinstance(found, str):  # a dispatch whose tokens are permuted, but not to this form
+            return site.skip(f"an MoE dispatch not in the expert-parallel pipeline's form: {found}")
         site.blocks = (Blocks(tuple(u), fake(x).shape[0]), Blocks(tuple(v), fake(node).shape[0]))
         return site
 
@@ -249,6 +256,8 @@ class MoeExpertParallel(Pattern):
 
     def reserved(self, site: Site) -> set[fx.Node]:
         found = sandwich(site.collective)
+        if not isinstance(found, Sandwich):
+            return {site.collective, site.wait}
         return {found.dispatch, found.dispatch_wait, found.permuted, *found.experts, found.unpermuted, found.combine, found.combine_wait}
 
     def emit(self, graph: fx.Graph, site: Site, rank: int, tags: itertools.count, fuse: Fuse) -> None:
@@ -264,7 +273,7 @@ class MoeExpertParallel(Pattern):
         layout = _ExpertMajor(emit, found, received)
         block_offsets = _OffsetsPerSource(emit, found, layout)
         saved = _SavedValues(emit, found, layout)
-        exchange = _exchange_op()
+        exchange = ring_exchange_op()
         for step in moe_ep_steps(n, r):
             started = []
             if (d := step.dispatch) is not None:
@@ -291,12 +300,6 @@ class MoeExpertParallel(Pattern):
         site.fused = [found.permuted, *found.experts, found.unpermuted]
         counts = f"cumsum({found.counts.name}[j])" if found.counts is not None else f"derived from {found.perm.name} and {found.offsets.name}"
         site.notes.append(f"per source rank: {', '.join(node.name for node in found.experts)} (offsets {counts})")
-
-
-def _exchange_op():
-    from .graph_utils import ring_exchange_op
-
-    return ring_exchange_op()
 
 
 class _ExpertMajor:

@@ -82,10 +82,9 @@ def check_routings(program: str, dtype_name: str, codegen: bool) -> dict:
     )
 
 
+# (fp32 and bf16 each compiled by Inductor once; the expert-parallel pipeline below adds op-by-op bf16)
 @pytest.mark.parametrize("program,dtype,codegen", [
     ("one_layer", "fp32", True),
-    ("one_layer", "bf16", False),
-    ("two_layers", "fp32", False),
     ("two_layers", "bf16", True),
 ], ids=lambda v: str(v))
 def test_routings_match_eager_with_one_compile(ranks, program, dtype, codegen):

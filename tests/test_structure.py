@@ -607,6 +607,38 @@ def test_moe_ep_pipeline_of_every_rank(world):
         assert not [n for n in rewritten.nodes if n.target is torch.ops._c10d_functional.all_to_all_single.default and n is not sites[0].collective]
 
 
+def test_an_moe_dispatch_of_another_form_is_left_alone_with_the_reason(world):
+    """A dispatch whose tokens are permuted and run through grouped experts, but whose output
+    is not combined (put back to token order and returned): not the pipeline's form, said."""
+    import routed
+
+    torch._dynamo.config.capture_scalar_outputs = True
+
+    def uncombined(x, w1, expert):
+        n, e = WORLD, w1.shape[0]
+        counts = (expert.unsqueeze(1) == torch.arange(n * e)).sum(0)
+        per_source = funcol.all_to_all_single(counts.view(n, e), None, None, world)
+        send, recv = counts.view(n, e).sum(1).tolist(), per_source.sum(1).tolist()
+        for size in (*send, *recv):
+            torch._check(size >= 0)
+        routed_x = funcol.all_to_all_single(x, recv, send, world)
+        local = torch.arange(e).repeat(n).repeat_interleave(per_source.reshape(-1), output_size=sum(recv))
+        perm = torch.sort(local, stable=True).indices
+        offsets = torch.cumsum(per_source.sum(0), 0, dtype=torch.int32)
+        y = torch._grouped_mm(routed_x[perm].bfloat16(), w1.bfloat16(), offsets)
+        back = y.new_empty(y.shape)
+        back[perm] = y
+        return back
+
+    x, w1, _ = routed.expert_inputs(0, WORLD, torch.float32)
+    w1 = w1[:, :, : x.shape[1]].detach()
+    report = commfuse_compile.explain(uncombined, x.detach(), w1, routed.expert_routing("balanced", 0, WORLD, 0), options={"schedule": "ring"}, codegen=False)
+    counts, dispatch = report.sites
+    assert counts.action == "skipped" and "read on the host" in counts.reason
+    assert dispatch.pattern == "moe_ep" and dispatch.action == "skipped"
+    assert dispatch.reason.startswith("an MoE dispatch not in the expert-parallel pipeline's form: the experts' output goes back"), dispatch.reason
+
+
 def test_runtime_split_all_to_all_is_timed_at_balanced_routing(world):
     """``auto`` times a run-time-split all-to-all at balanced routing (the static token count
     cut into N equal blocks: no size only one rank knows) and decides with a reason; the
