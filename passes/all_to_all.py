@@ -265,26 +265,35 @@ def regions(site: Site, count: int, reserved: set[fx.Node]) -> tuple[Region | No
 
 
 def _run_time_sizes(graph: fx.Graph, site: Site, emit: Emitter, r: int) -> None:
-    """What splits known only at run time need before the steps.
-
-    The own block never travels: it is ``sent.sizes[r]`` rows when cut from the input and
-    ``received.sizes[r]`` in the result. Both are the same number (this rank's count for
-    itself, on either side of the count exchange), which the shape environment cannot know:
-    assert it at run time and tell the environment, so the result has the original's size.
-    The collective's size readers (``sym_size(all_to_all, 0)``, read before its wait) read the
-    sum of the received sizes instead, so the collective can go.
-    """
+    """What splits known only at run time need before the steps: the own block's two sizes
+    made one (:func:`same_own_block`), and the collective's size readers reading the received
+    sizes (:func:`read_sizes_from_splits`), so the collective can go."""
     sent, received = site.blocks
-    mine, theirs = sent.sizes[r], received.sizes[r]
-    if mine is not theirs and not (isinstance(mine, int) and mine == theirs):
-        same = emit(operator.eq, mine, theirs)
-        emit(aten._assert_scalar.default, same, f"commfuse: {site.collective.name}: the own block's sizes differ ({mine} != {theirs})")
-        with emit.fake_mode:
-            torch._check(fake(same))
-    for reader in [u for u in site.collective.users if u.target is SYM_SIZE]:
-        dim = reader.args[1] % fake(site.collective).dim()
+    same_own_block(emit, site.collective, sent.sizes[r], received.sizes[r])
+    read_sizes_from_splits(graph, site.collective, received)
+
+
+def same_own_block(emit: Emitter, collective: fx.Node, mine, theirs) -> None:
+    """The own block never travels: it is ``mine`` rows (its input split) when cut from the
+    input and ``theirs`` (its output split) in the result. Both are the same number (this
+    rank's count for itself, on either side of the count exchange), which the shape environment
+    cannot know: assert it at run time and tell the environment, so the result has the
+    original's size."""
+    if mine is theirs or (isinstance(mine, int) and mine == theirs):
+        return
+    same = emit(operator.eq, mine, theirs)
+    emit(aten._assert_scalar.default, same, f"commfuse: {collective.name}: the own block's sizes differ ({mine} != {theirs})")
+    with emit.fake_mode:
+        torch._check(fake(same))
+
+
+def read_sizes_from_splits(graph: fx.Graph, collective: fx.Node, received: Blocks) -> None:
+    """The collective's size readers (``sym_size(all_to_all, d)``, read before its wait) read
+    the sum of the ``received`` sizes (dim 0) or its input's size instead."""
+    for reader in [u for u in collective.users if u.target is SYM_SIZE]:
+        dim = reader.args[1] % fake(collective).dim()
         size = Emitter(graph, before=reader)
-        reader.replace_all_uses_with(size(torch.sym_sum, list(received.sizes)) if dim == 0 else size(SYM_SIZE, site.collective.args[0], dim))
+        reader.replace_all_uses_with(size(torch.sym_sum, list(received.sizes)) if dim == 0 else size(SYM_SIZE, collective.args[0], dim))
         graph.erase_node(reader)
 
 

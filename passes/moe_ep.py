@@ -58,6 +58,7 @@ from commfuse_compile.profiles import HardwareProfile
 from commfuse_compile.schedules import moe_ep_steps
 from commfuse_compile.simulator import Timeline
 
+from .all_to_all import read_sizes_from_splits, same_own_block
 from .fusion import Fuse
 from .graph_utils import WAIT, Emitter, aten, c10d, fake, hinted, ring_exchange_op, same_size, shape_of
 from .layout import SYM_SIZE, single_wait
@@ -265,7 +266,7 @@ class MoeExpertParallel(Pattern):
         n, r, x = site.group_size, rank, site.collective.args[0]
         sent, received = site.blocks  # my tokens per destination (u), the tokens per source (v)
         emit = Emitter(graph, before=site.wait)
-        _same_own_block(emit, site, sent.sizes[r], received.sizes[r])
+        same_own_block(emit, site.collective, sent.sizes[r], received.sizes[r])
         blocks = emit(aten.split_with_sizes.default, x, list(sent.sizes), 0)
         tokens: dict[int, fx.Node] = {r: emit(operator.getitem, blocks, r)}  # source rank -> its tokens here
         values: dict[int, dict[fx.Node, fx.Node]] = {}  # source rank -> F's values on its tokens
@@ -394,17 +395,6 @@ def _experts_on(emit: Emitter, found: Sandwich, tokens: fx.Node, offsets: fx.Nod
     return values
 
 
-def _same_own_block(emit: Emitter, site: Site, mine, theirs) -> None:
-    """The own tokens are u[r] rows cut from x and v[r] rows where the result has them: the
-    same number, which the shape environment cannot know; asserted, and told."""
-    if mine is theirs or (isinstance(mine, int) and mine == theirs):
-        return
-    same = emit(operator.eq, mine, theirs)
-    emit(aten._assert_scalar.default, same, f"commfuse: {site.collective.name}: the own block's sizes differ ({mine} != {theirs})")
-    with emit.fake_mode:
-        torch._check(fake(same))
-
-
 def _replace_readers(graph, emit, found, tokens, results, n, sent, received) -> None:
     """The combine's readers read the results in rank order, the dispatch's other readers the
     tokens, size readers the splits."""
@@ -413,12 +403,8 @@ def _replace_readers(graph, emit, found, tokens, results, n, sent, received) -> 
     if others:  # the tokens in rank order
         rank_major = emit(aten.cat.default, [tokens[j] for j in range(n)], 0)
         found.dispatch_wait.replace_all_uses_with(rank_major, delete_user_cb=lambda user: user in others)
-    for collective, splits in ((found.dispatch, received), (found.combine, sent)):
-        for reader in [u for u in collective.users if u.target is SYM_SIZE]:
-            dim = reader.args[1] % fake(collective).dim()
-            size = Emitter(graph, before=reader)
-            reader.replace_all_uses_with(size(torch.sym_sum, list(splits.sizes)) if dim == 0 else size(SYM_SIZE, collective.args[0], dim))
-            graph.erase_node(reader)
+    read_sizes_from_splits(graph, found.dispatch, received)
+    read_sizes_from_splits(graph, found.combine, sent)
     graph.erase_node(found.combine_wait)
     graph.erase_node(found.combine)
 
