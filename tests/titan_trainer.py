@@ -1,15 +1,16 @@
 """torchtitan's trainer path on gloo ranks: what ``--compile.enable --compile.backend commfuse``
 runs, without the trainer's data loading, checkpointing and logging.
 
-:func:`build` makes torchtitan 0.3.0's Llama3 or dense Qwen3 ``debugmodel`` (shrunk: 2 layers,
-vocab 2048, SDPA attention) and hands it to the model's own ``parallelize_llama`` /
+:func:`build` makes torchtitan 0.3.0's Llama3 or dense Qwen3 ``debugmodel`` or its Qwen3
+``debugmodel_moe`` (8 experts, top 2; optionally expert parallel) (shrunk: 2 layers, vocab 2048,
+SDPA attention) and hands it to the model's own ``parallelize_llama`` /
 ``parallelize_qwen3``, as ``Trainer.__init__`` does: TP + SP (``model.parallelize``), then
 activation checkpointing (``ac``: torchtitan's default per-op selective AC, full AC, or none),
 then per-block ``torch.compile`` with the backend named (``apply_compile``), then FSDP2
 (``apply_fsdp_to_decoder``, always called). :meth:`Training.step` is the trainer's
 ``train_step``: forward and loss (torchtitan's ``CrossEntropyLoss``, compiled with the same
 backend, as ``--compile.components model,loss`` does) and backward inside the SPMD context,
-``dist_utils.clip_grad_norm_`` (max_norm 1.0) and AdamW with torchtitan's defaults
+``dist_utils.clip_grad_norm_`` (max_norm 1.0, ``ep_enabled`` as the trainer passes it) and AdamW with torchtitan's defaults
 (``default_adamw``: lr 8e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1).
 
 Ranks: TP over ``tp`` consecutive ranks, FSDP over ``world // tp`` (torchtitan's mesh order);
@@ -33,6 +34,10 @@ process-wide switches torchtitan sets itself):
 4. ``set_force_sum_reduction_for_comms(True)`` on every FSDP module: torchtitan's gradient
    divide factor becomes gloo's missing ``PREMUL_SUM``; summing and then dividing gives the
    same gradients.
+5. MoE: ``capture_scalar_outputs`` (process-wide, left set): the EP split sizes come from
+   ``.tolist()``, which Dynamo otherwise breaks the graph at. With expert parallelism the
+   ``spmd_backend`` is ``partial_dtensor`` (``spmd_types``' eager runtime fails on gloo); its
+   FSDP2 meshes are torchtitan's own (workaround 2 only applies under ``spmd_types``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class Training:
     tokens: torch.Tensor
     labels: torch.Tensor
     global_valid_tokens: torch.Tensor
+    ep_enabled: bool = False
 
     def step(self) -> float:
         """One ``train_step``: returns the loss (this rank's sum over the global token count)."""
@@ -74,7 +80,7 @@ class Training:
             loss, _ = self.loss_fn(pred, self.labels, self.global_valid_tokens)
             del pred
             loss.backward()
-        dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=1.0, foreach=True)
+        dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=1.0, foreach=True, ep_enabled=self.ep_enabled)
         self.optimizer.step()
         return loss.item()
 
@@ -92,12 +98,15 @@ def build(
     param_dtype: str = "float32",
     n_layers: int = 2,
     seed: int = 0,
+    ep: int = 1,
+    spmd_backend: str = "spmd_types",
 ) -> Training:
-    """torchtitan's ``model`` ("llama3" or "qwen3") through its ``parallelize_*`` on the
-    default process group: TP over ``tp`` ranks, FSDP over the rest, activation checkpointing
-    ``ac`` (one of :data:`AC_MODES`), compiled per block (and the loss) with ``backend``;
+    """torchtitan's ``model`` ("llama3", "qwen3" or "qwen3_moe") through its ``parallelize_*``
+    on the default process group: TP over ``tp`` ranks, FSDP over the rest, expert parallelism
+    over ``ep`` ranks (torchtitan's ``expert_parallel_degree``), activation checkpointing ``ac``
+    (one of :data:`AC_MODES`), compiled per block (and the loss) with ``backend``;
     ``param_dtype``: torchtitan's ``training.mixed_precision_param`` ("float32" or its
-    default "bfloat16")."""
+    default "bfloat16"); ``spmd_backend``: torchtitan's ``parallelism.spmd_backend``."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -112,7 +121,13 @@ def build(
     config, parallelize, parallelize_module = _model(model)
     _titan_sdpa_layers(config, n_layers, SEQ)
     _titan_vocab(config, VOCAB)
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp, enable_sequence_parallel=True, data_parallel_shard_degree=world // tp)
+    parallelism = ParallelismConfig(
+        tensor_parallel_degree=tp,
+        enable_sequence_parallel=True,
+        data_parallel_shard_degree=world // tp,
+        expert_parallel_degree=ep,
+        spmd_backend=spmd_backend,
+    )
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     parallel_dims = ParallelDims.from_config(parallelism, world)
@@ -138,7 +153,7 @@ def build(
     dp_rank = dist.get_rank() // tp  # (the same tokens on the ranks of one TP group)
     data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed + 1 + dp_rank))
     valid = torch.tensor(BATCH * SEQ * (world // tp))
-    return Training(module, loss_fn, optimizer, context, data[:, :-1], data[:, 1:], valid)
+    return Training(module, loss_fn, optimizer, context, data[:, :-1], data[:, 1:], valid, parallel_dims.ep_enabled)
 
 
 def _model(name: str) -> tuple[Any, Any, Any]:
@@ -157,7 +172,17 @@ def _model(name: str) -> tuple[Any, Any, Any]:
             ffn = layer.feed_forward
             ffn.w1.out_features = ffn.w3.out_features = ffn.w2.in_features = 768
         return config, module.parallelize_qwen3, module
-    raise ValueError(f"model must be 'llama3' or 'qwen3', got {name!r}")
+    if name == "qwen3_moe":
+        import torchtitan.models.qwen3.parallelize as module
+        from clients import _set_experts
+        from torchtitan.models.qwen3 import qwen3_configs
+
+        config = qwen3_configs["debugmodel_moe"](attn_backend="flex")
+        for layer in config.layers:
+            _set_experts(layer.moe, 8, 2)
+        torch._dynamo.config.capture_scalar_outputs = True
+        return config, module.parallelize_qwen3, module
+    raise ValueError(f"model must be 'llama3', 'qwen3' or 'qwen3_moe', got {name!r}")
 
 
 @contextlib.contextmanager
