@@ -64,6 +64,25 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def matmul_flops_per_second() -> float:
+    """Single-thread fp32 matmul rate of this machine, median of a few [512, 1024] @ [1024, 1024]."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+        a @ b
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return 2 * 512 * 1024 * 1024 / median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it)."""
     with socket.socket() as s:
@@ -77,6 +96,7 @@ def rank_environment(cache_dir: str) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "TORCHINDUCTOR_COMPILE_THREADS": "1",
         "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "COMMFUSE_CACHE_DIR": os.path.join(cache_dir, "commfuse"),  # (auto measures this run's link)
     }
 
 
@@ -225,6 +245,20 @@ def _next_result(results: mp.Queue, procs: Sequence[Any], timeout: float) -> Any
             raise RuntimeError(f"no answer within {timeout:.0f}s")
 
 
+def run_and_keep_code(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``fn()`` and the wrapper code of every graph Inductor generated while it ran. Unlike
+    ``torch._inductor.utils.run_and_get_code`` it does not reset Dynamo first: that reset drops
+    every other variant's compiled code, which then compiles again inside the timed rounds."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        result = fn()
+    return result, codes
+
+
 def schedule_of(code: str) -> list[str]:
     """The order a generated wrapper issues its collectives, waits and kernels in, by op name
     (buffer and kernel numbers left out): two compiles whose lists are equal ran the same
@@ -262,6 +296,19 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1 else f"{value:.1f}"
     return str(value)
+
+
+def run_and_report(name: str, run: Callable[..., dict[str, Any]], render: Callable[[dict[str, Any]], str], *args: Any, json_path: str | None) -> int:
+    """``run(*args)``, its results printed by ``render`` and written to ``json_path``; the exit
+    status (1, with the error on stderr, where a rank failed)."""
+    try:
+        results = run(*args)
+    except RuntimeError as err:
+        print(f"{name} failed: {err}", file=sys.stderr)
+        return 1
+    print(render(results))
+    write_json(json_path, results)
+    return 0
 
 
 def write_json(path: str | None, data: dict[str, Any]) -> None:

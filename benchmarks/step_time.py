@@ -25,26 +25,18 @@ profile it may leave everything alone. Two parts are timed alongside them: ``com
 eagerly, on tensors of the same sizes); ``max(compute, comm)`` is the ideal a perfect overlap
 could reach, and each variant's "saving" is the fraction of ``T_inductor - ideal`` it achieved.
 
-How. Every variant is compiled and warmed up first (untimed); then untimed settling rounds run
-one step of every variant, round-robin, until every variant's step is within ``--settle`` (5%)
-of its step in the round before (at most ``--settle-rounds``, 10; rank 0 decides and tells
-the others): without them a variant's first timed rounds ran up to 20% slower than its last;
-then ``--rounds`` rounds each run
-``--steps`` steps of every variant, round-robin, the order rotated every round so no variant
-always follows the same one. Ranks pass a barrier before every timed step; rank 0 times the step
-(its result needs every rank's contribution, so it ends about when the slowest rank's part
-does). Medians over all timed steps. One torch thread per rank (``OMP_NUM_THREADS=1``): 2 ranks
+How. Every variant is compiled and warmed up first (untimed), then timed side by side
+(``_rounds.py``: settling rounds until every variant's step is within ``--settle`` (5%) of its
+step in the round before, at most ``--settle-rounds``, 10; then ``--rounds`` rounds of
+``--steps`` steps of every variant, round-robin, rotated). Medians over all timed steps. One torch thread per rank (``OMP_NUM_THREADS=1``): 2 ranks
 on 2 cores; with ``--world-size 4`` ranks share cores (the sizing accounts for it, the timings
 include the OS scheduler). Each run compiles into its own ``TORCHINDUCTOR_CACHE_DIR`` (a
 tempdir) shared by its variants, so a later variant reuses identical kernels: the printed
 compile seconds are not comparable between variants.
 
-Network. Plain loopback gloo costs CPU, not wall time: on 2 cores the transfer competes with the
-matmuls and overlap cannot show. So when ``unshare -n`` works (root) the script
-re-executes itself in a private network namespace whose loopback is shaped by a token bucket
-(``tc qdisc add dev lo root tbf rate RATE burst 512kb latency 100ms``, default 400mbit ≈ 50 MB/s
-shared by all ranks; 1gbit for ``ulysses``): communication then takes wall time at a few % CPU. Otherwise (or with
-``--no-shape``) it runs on plain loopback and says so in the output and the JSON.
+Network. On loopback in a private network namespace shaped by a token bucket (``_network.py``;
+default 400mbit ≈ 50 MB/s shared by all ranks, 1gbit for ``ulysses``). Without ``unshare -n``
+(or with ``--no-shape``) it runs on plain loopback and says so in the output and the JSON.
 
 Sizes. Unless ``--sizes`` fixes them (to compare runs: the measured matmul rate varies by a
 quarter between runs here), each layer is sized so that its compute takes about ``--compute-ms`` per step at the
@@ -65,9 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,19 +65,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
 from _common import (
     format_table,
     machine_info,
+    matmul_flops_per_second,
     median,
     progress,
     rank_environment,
+    run_and_keep_code,
+    run_and_report,
     run_ranks,
-    script_command,
     schedule_of,
     site_dict,
-    write_json,
 )
+from _network import enter_network, rate_bytes_per_second
+from _rounds import settle, timed_rounds
 from step_models import WORKLOADS
 
 VARIANTS = ("inductor", "inductor-reorder", "slicing", "ring", "bidirectional", "auto")
@@ -97,30 +89,16 @@ REORDER_PEER = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_c
 PEERS = {"inductor-reorder": "inductor"}  # peer variant: the variant its setting must change
 COMMFUSE_SCHEDULES = ("slicing", "ring", "bidirectional", "auto")
 
-# Set in the re-executed child that runs inside the private network namespace.
-NETNS_ENV = "COMMFUSE_BENCH_NETNS"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; return 0 on success (the process exit status)."""
     args = parse_args(argv)
-    if args.shape and NETNS_ENV not in os.environ:
-        if _can_unshare():
-            return _rerun_in_namespace(sys.argv[1:] if argv is None else list(argv))
-        network = {"shaped": False, "note": "unshare -n failed (not root?): plain loopback, communication competes with compute for CPU"}
-    elif args.shape:
-        network = _shape_loopback(args.rate)
-    else:
-        network = {"shaped": False, "note": "--no-shape: plain loopback, communication competes with compute for CPU"}
+    network = enter_network(__file__, sys.argv[1:] if argv is None else list(argv), args.shape, args.rate)
+    if isinstance(network, int):  # (ran inside a private network namespace: its exit status)
+        return network
     progress(f"network: {'shaped ' + args.rate if network['shaped'] else 'NOT shaped'} ({network['note']})")
-    try:
-        results = run(args, network)
-    except RuntimeError as err:
-        print(f"step_time failed: {err}", file=sys.stderr)
-        return 1
-    print(render(results))
-    write_json(args.json, results)
-    return 0
+    return run_and_report("step_time", run, render, args, network, json_path=args.json)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -159,67 +137,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.warmup = min(args.warmup, 1)
     return args
-
-
-# --- network namespace -----------------------------------------------------------------------
-
-
-def _can_unshare() -> bool:
-    try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
-    except OSError:
-        return False
-
-
-def _rerun_in_namespace(argv: list[str]) -> int:
-    """Run this script again, with the same arguments, inside a new network namespace."""
-    progress("re-running inside a private network namespace (unshare -n)")
-    env = {**os.environ, NETNS_ENV: "1"}
-    # The child finds _common through its own directory, not through our sys.path.
-    return subprocess.run(["unshare", "-n", *script_command(__file__, argv)], env=env).returncode
-
-
-def _shape_loopback(rate: str) -> dict[str, Any]:
-    """Bring up lo in this (private) namespace and put a token-bucket qdisc on it."""
-    up = subprocess.run(["ip", "link", "set", "lo", "up"], capture_output=True, text=True)
-    if up.returncode != 0:
-        raise SystemExit(f"cannot bring up loopback in the network namespace: {up.stderr.strip()}")
-    tbf = ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", "512kb", "latency", "100ms"]
-    shaped = subprocess.run(tbf, capture_output=True, text=True)
-    if shaped.returncode != 0:
-        return {"shaped": False, "note": f"tc failed ({shaped.stderr.strip()}): plain loopback in a private namespace"}
-    shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout.strip()
-    return {"shaped": True, "rate": rate, "note": f"private network namespace, {shown}"}
-
-
-def rate_bytes_per_second(rate: str) -> float:
-    """A tc rate ("400mbit", "1gbit", "50mbps", "1000000") in bytes per second."""
-    units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "bit": 1 / 8, "bps": 1.0}
-    text = rate.strip().lower()
-    for unit, scale in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text) / 8  # tc reads a bare number as bits per second
-
-
-# --- sizes -----------------------------------------------------------------------------------
-
-
-def matmul_flops_per_second() -> float:
-    """Single-thread fp32 matmul rate of this machine, median of a few [512, 1024] @ [1024, 1024]."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
-        a @ b
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return 2 * 512 * 1024 * 1024 / median(times)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -394,22 +311,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     steps["comm-only"] = workload.comm_only(sizes, n, group)
     compile_s["comm-only"] = _warm_up("comm-only", steps["comm-only"], config["warmup"], rank)
 
-    names = list(steps)
-    settling = _settle(steps, names, config["settle"], config["settle_rounds"], rank)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    round_medians: list[dict[str, float]] = []
-    for r in range(config["rounds"]):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate: no fixed predecessor
-        for name in order:
-            for _ in range(config["steps"]):
-                dist.barrier()
-                start = time.perf_counter()
-                steps[name]()
-                times[name].append((time.perf_counter() - start) * 1e3)
-        round_medians.append({name: median(times[name][-config["steps"]:]) for name in names})
-        if rank == 0:
-            progress(f"round {r + 1}/{config['rounds']}: " + ", ".join(f"{k} {median(v):.1f}" for k, v in times.items()) + " ms")
-    dist.barrier()
+    settling = settle(steps, config["settle"], config["settle_rounds"], rank)
+    times, round_medians = timed_rounds(steps, config["rounds"], config["steps"], rank)
     return {
         "times_ms": times,
         "compile_s": compile_s,
@@ -429,32 +332,6 @@ def peer_checks(codes: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
             changed = [schedule_of(a) != schedule_of(b) for a, b in zip(codes[peer], codes[base])]
             checks[peer] = {"versus": base, "graphs": len(changed), "graphs_changed": sum(changed), "changed": any(changed)}
     return checks
-
-
-def _settle(steps: dict[str, Callable[[], None]], names: list[str], tolerance: float, max_rounds: int, rank: int) -> list[float]:
-    """Untimed rounds of one step of every variant until each variant's step is within
-    ``tolerance`` of its step in the round before; rank 0's times decide, for every rank (the
-    ranks must run the same number of steps). Returns rank 0's round totals in ms."""
-    import torch.distributed as dist
-
-    totals: list[float] = []
-    last: dict[str, float] = {}
-    for _ in range(max_rounds):
-        now: dict[str, float] = {}
-        for name in names:
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name]()
-            now[name] = time.perf_counter() - start
-        totals.append(sum(now.values()) * 1e3)
-        settled = torch.tensor([bool(last) and all(abs(now[k] - last[k]) <= tolerance * last[k] for k in names)])
-        dist.broadcast(settled, src=0)
-        if rank == 0:
-            progress(f"settling round {len(totals)}: " + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in now.items()) + " ms")
-        if settled.item():
-            break
-        last = now
-    return totals
 
 
 def _variant_step(name: str, model: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, chunks: int | None) -> Callable[[], None]:
@@ -494,7 +371,6 @@ def _warm_up(name: str, step: Callable[[], None], count: int, rank: int, codes: 
     ``codes``, the first step's generated code is kept there under ``name``."""
     import torch._inductor.config as inductor_config
     import torch.distributed as dist
-    from torch._inductor.utils import run_and_get_code
 
     if rank == 0:
         progress(f"compiling and warming up {name}")
@@ -504,7 +380,7 @@ def _warm_up(name: str, step: Callable[[], None], count: int, rank: int, codes: 
         step()
     else:
         with inductor_config.patch(fx_graph_cache=False):  # (a cache hit generates no code to read)
-            _, codes[name] = run_and_get_code(step)
+            _, codes[name] = run_and_keep_code(step)
     first = time.perf_counter() - start
     for _ in range(count - 1):
         step()

@@ -6,6 +6,7 @@ Commands:
     explain   what the backend does to a model, in one process at any world size.
     simulate  model one matmul + collective under every schedule on a hardware profile.
     bench     run one of the benchmarks in benchmarks/.
+    calibrate measure what auto assumes about the link and the device, and cache it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("explain", "what the backend does to a model, at any world size, in one process", cmd.EXPLAIN, cmd.add_explain_arguments, cmd.run_explain),
         ("simulate", "model a matmul + collective under every schedule", cmd.SIMULATE, cmd.add_simulate_arguments, cmd.run_simulate),
         ("bench", "run a benchmark from benchmarks/", cmd.BENCH, cmd.add_bench_arguments, cmd.run_bench),
+        ("calibrate", "measure the link and the device for auto, and cache it", cmd.CALIBRATE, cmd.add_calibrate_arguments, cmd.run_calibrate),
     ]:
         sub = commands.add_parser(name, help=help_, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
         add(sub)

@@ -9,6 +9,7 @@ DTensor) are visible as aten ops.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -129,7 +130,7 @@ def commfuse(
 
     from .explain import run_rewritten
 
-    opts = CommfuseOptions.from_user(_with_mode(options, mode), environment=True)
+    opts = _with_measured_profile(CommfuseOptions.from_user(_with_mode(options, mode), environment=True))
     report = new_report({k: getattr(opts, k) for k in opts.valid_keys()})
     if from_environment := options_from_environment():
         log.info("commfuse compile %d: options from %s: %s", report.compile_id, ENVIRONMENT_VARIABLE, from_environment)
@@ -160,6 +161,18 @@ def commfuse(
             reasons,
         )
     return compiled
+
+
+def _with_measured_profile(opts: CommfuseOptions) -> CommfuseOptions:
+    """``auto`` with no ``profile`` on a real process group plans with what the group measured
+    (:mod:`commfuse_compile.calibrate`: at this process's first compile, every rank at once,
+    or from the disk cache), given as the ``profile`` option so the cache key covers it."""
+    if opts.schedule != "auto" or opts.profile is not None:
+        return opts
+    from .calibrate import as_option, measured_profile
+
+    profile = measured_profile()
+    return opts if profile is None else dataclasses.replace(opts, profile=as_option(profile))
 
 
 def _with_mode(options: Mapping[str, Any] | CommfuseOptions | None, mode: str | None) -> Any:

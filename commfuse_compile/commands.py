@@ -28,6 +28,7 @@ the name go to the script; `bench NAME --help` shows them)."""
 
 BENCHMARKS = {
     "step-time": "step_time.py",
+    "model-step": "model_step.py",
     "compile-time": "compile_time.py",
     "peak-memory": "peak_memory.py",
     "moe-memory": "moe_memory.py",
@@ -129,3 +130,61 @@ def run_bench(args: argparse.Namespace) -> int:
     except SystemExit as done:
         return int(done.code or 0)
     return 0
+
+
+CALIBRATE = """Measure what auto's cost model assumes — the matmul rate, the link to the ring
+neighbours (latency per step, bandwidth, both directions at once) and the slowdown of compute
+under transfer — on this machine's process group, agree on it across the ranks and cache it on
+disk (``$COMMFUSE_CACHE_DIR``, default ~/.cache/commfuse), where the backend's first compile
+finds it instead of measuring. Under torchrun: the job's group (NCCL with GPUs); otherwise
+--world-size gloo ranks on this machine, one thread each (as the CPU tests and benchmarks run)."""
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=None, help="gloo ranks to spawn (default 2); under torchrun its WORLD_SIZE")
+    parser.add_argument("--force", action="store_true", help="measure again even where a cached profile exists")
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from . import demo
+
+    if demo._under_torchrun():
+        _calibrate_rank(None, args.force)
+        return 0
+    world_size = 2 if args.world_size is None else args.world_size
+    if world_size < 2:
+        print(f"calibrate: --world-size must be at least 2 (a link needs two ends), got {world_size}", file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+
+    mp.spawn(_calibrate_rank, args=(args.force, world_size, demo._free_port()), nprocs=world_size, join=True)
+    return 0
+
+
+def _calibrate_rank(rank: int | None, force: bool, world_size: int = 0, port: int = 0) -> None:
+    """One rank: join the group (torchrun's, or the spawned gloo one), measure, print on rank 0."""
+    import os
+
+    import torch.distributed as dist
+
+    from . import calibrate
+
+    if rank is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        key = calibrate.cache_key()
+        if force:
+            calibrate.cache_path(key).unlink(missing_ok=True)
+        profile = calibrate.measured_profile()
+        if dist.get_rank() == 0 and profile is not None:
+            print(f"{profile.name}, {profile.source}\n  {calibrate.describe(profile)}\n  cached in {calibrate.cache_path(key)}")
+            print(json.dumps(calibrate.as_option(profile), indent=2))
+    finally:
+        dist.destroy_process_group()

@@ -90,9 +90,9 @@ def estimate(work: Workload, profile: HardwareProfile, schedule: str, m: int = 1
     return Estimate(schedule, m, total, total - timeline.busy(COMPUTE), timeline)
 
 
-def collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float, slowdown: float = 1.0) -> float:
-    """A ring all-gather / reduce-scatter: N-1 steps of one chunk each."""
-    return slowdown * (work.group_size - 1) * profile.transfer_seconds(nbytes)
+def collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float) -> float:
+    """The plain all-gather / reduce-scatter: N-1 steps of one chunk each."""
+    return (work.group_size - 1) * profile.collective_step_seconds(nbytes)
 
 
 def _vanilla(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:
@@ -106,7 +106,7 @@ def _vanilla(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> N
 
 def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> None:
     slow = profile.overlap_slowdown
-    comm = collective_seconds(work, profile, work.chunk_bytes / k, slow)
+    comm = collective_seconds(work, profile, work.chunk_bytes / k)
     compute = compute_seconds(work, profile, k, slow)
     if work.kind == "all_gather_matmul":
         gathers = [t.add(f"all_gather[{s}]", COLLECTIVE, comm) for s in range(k)]  # all issued up front
@@ -132,7 +132,7 @@ def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, schedule:
     n, slow = work.group_size, profile.overlap_slowdown
     per_chunk = pieces_per_chunk(schedule, m)
     compute = compute_seconds(work, profile, n * per_chunk, slow)
-    transfer = slow * profile.transfer_seconds(work.chunk_bytes / per_chunk)
+    transfer = profile.transfer_seconds(work.chunk_bytes / per_chunk)  # (link-bound: not slowed)
     gather = work.kind == "all_gather_matmul"
 
     def link(direction: int) -> str:  # with 2 ranks both directions reach the same peer

@@ -35,8 +35,12 @@ class HardwareProfile:
         link_latency: seconds of fixed cost per message.
         duplex: the links to the two neighbours carry traffic at the same time (a
             bidirectional ring needs it to gain anything).
-        overlap_slowdown: compute and transfers that run at the same time each take this
-            factor longer (shared memory bandwidth / SMs on GPUs, shared cores for gloo).
+        collective_latency: seconds of fixed cost per step of the plain collective (the
+            library's own all-gather / reduce-scatter), where it differs from a ring step's
+            ``link_latency`` (``None``: the same).
+        overlap_slowdown: compute that runs while transfers are in flight takes this factor
+            longer (shared memory bandwidth / SMs on GPUs, shared cores for gloo); the
+            transfers themselves run at the link's rate (a link, not the compute, bounds them).
     """
 
     name: str
@@ -49,6 +53,7 @@ class HardwareProfile:
     link_latency: float
     duplex: bool = True
     overlap_slowdown: float = 1.0
+    collective_latency: float | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -67,10 +72,15 @@ class HardwareProfile:
         """Modelled time of one point-to-point message of ``nbytes`` to a neighbour."""
         return self.link_latency + nbytes / self.link_bandwidth
 
+    def collective_step_seconds(self, nbytes: float) -> float:
+        """Modelled time of one step (``nbytes`` to a neighbour) of the plain collective."""
+        latency = self.link_latency if self.collective_latency is None else self.collective_latency
+        return latency + nbytes / self.link_bandwidth
+
 
 # Fields that may be 0 (an idealised profile: no latency, no per-matmul cost, full efficiency
 # at any size); every other number must be > 0, and overlap_slowdown >= 1.
-ZERO_ALLOWED = ("link_latency", "matmul_overhead", "half_efficiency_dim")
+ZERO_ALLOWED = ("link_latency", "matmul_overhead", "half_efficiency_dim", "collective_latency")
 
 
 def _check_field(key: str, value: Any) -> None:
@@ -78,6 +88,8 @@ def _check_field(key: str, value: Any) -> None:
     if key in ("name", "source"):
         if not isinstance(value, str):
             raise ValueError(f"commfuse option 'profile': field {key!r} must be a string, got {value!r}")
+        return
+    if key == "collective_latency" and value is None:
         return
     if key == "duplex":
         if not isinstance(value, bool):  # ("no" would read as True)
@@ -180,7 +192,7 @@ def resolve_profile(profile: str | Mapping[str, Any] | HardwareProfile | None, d
         if not isinstance(base, str):
             raise ValueError(f"commfuse option 'profile': 'base' must be a built-in profile name ({', '.join(names())}), got {base!r}")
         return dataclasses.replace(resolve_profile(base), **{"name": f"{base}+custom", **values})
-    missing = sorted(fields - set(values) - {"source", "duplex", "overlap_slowdown", "name"})
+    missing = sorted(fields - set(values) - {"source", "duplex", "overlap_slowdown", "name", "collective_latency"})
     if missing:
         raise ValueError(f"commfuse option 'profile': missing field(s) {missing} (or give 'base': a built-in name)")
     values.setdefault("name", "custom")

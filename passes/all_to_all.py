@@ -225,7 +225,7 @@ def _pairwise_steps(t: Timeline, work: Workload, profile: HardwareProfile) -> No
     n, slow = work.group_size, profile.overlap_slowdown
     ahead, behind = _sides(work)
     made, used = compute_seconds(ahead, profile, n, slow), compute_seconds(behind, profile, n, slow)
-    transfer = slow * profile.transfer_seconds(work.chunk_bytes)
+    transfer = profile.transfer_seconds(work.chunk_bytes)  # (link-bound: not slowed)
     outgoing = t.add("before[first]", COMPUTE, made) if ahead.matmuls else None
     arrived = None
     for k, _move in enumerate(all_to_all_steps(n, 0)):

@@ -421,7 +421,7 @@ def timelines(t: Timeline, work: Workload, profile: HardwareProfile, schedule: s
     if schedule != "ring":
         raise ValueError(f"the MoE pipeline has no {schedule!r} schedule")
     slow = profile.overlap_slowdown
-    block, transfer = compute_seconds(work, profile, n, slow), slow * profile.transfer_seconds(work.chunk_bytes)
+    block, transfer = compute_seconds(work, profile, n, slow), profile.transfer_seconds(work.chunk_bytes)
     back_link = "link-" if profile.duplex and n > 2 else "link+"
     arrived: dict[int, int | None] = {0: None}
     computed: dict[int, int] = {}

@@ -39,6 +39,7 @@ def _worker(rank: int, world_size: int, port: int, cache_dir: str, stacks: str, 
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHINDUCTOR_CACHE_DIR=cache_dir,  # shared: kernels compile once for all ranks (read per use)
+        COMMFUSE_CACHE_DIR=os.path.join(cache_dir, "commfuse"),  # (auto's measured profiles: this session's own)
         **RANK_ENVIRONMENT,
     )
     # A crash writes this rank's stack here, and so does SIGUSR1 (sent on a timeout).

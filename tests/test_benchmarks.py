@@ -16,6 +16,7 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)  # the benchmarks are scripts; spawned ranks inherit sys.path
 
 import compile_time  # noqa: E402
+import model_step  # noqa: E402
 import moe_memory  # noqa: E402
 import peak_memory  # noqa: E402
 import step_models  # noqa: E402
@@ -53,6 +54,65 @@ def test_step_time_smoke(tmp_path):
     assert len(results["settling_rounds_ms"]) == 2 and len(results["round_medians_ms"]) == 2
     parts = results["parts"]
     assert parts["ideal_ms"] == max(parts["compute_ms"], parts["comm_ms"]) > 0
+
+
+@pytest.mark.slow
+def test_model_step_smoke(tmp_path):
+    # torchtitan's Llama3 at a tiny size, plain loopback, three of the variants: the others
+    # differ only in their backend's settings.
+    argv = ["--quick", "--no-shape", "--variants", "inductor,inductor-overlap,ring"]
+    results = _run(model_step.main, argv, tmp_path / "model_step.json")
+    _has_machine_info(results)
+    assert results["benchmark"] == "model_step" and results["model"] == "llama3" and results["world_size"] == 2
+    assert list(results["rates"]) == ["unshaped"]
+    at = results["rates"]["unshaped"]
+    assert set(at["variants"]) == {"inductor", "inductor-overlap", "ring"}
+    for variant in at["variants"].values():
+        assert len(variant["times_ms"]) == 1 and variant["median_ms"] > 0
+    assert at["variants"]["inductor"]["ratio_to_inductor"] == pytest.approx(1.0)
+    # Both blocks' gathers and scatters, forward and backward, rewritten by the ring.
+    assert sum(site["action"] == "rewritten" for site in results["sites"]["ring"]) == 8, results["sites"]["ring"]
+    # The step's collectives were recorded and replayed; compute alone ran on the fake group.
+    assert results["collectives_per_step"] > 8 and at["comm_ms"] > 0 and results["compute_ms"] > 0
+    assert at["ideal_ms"] == max(results["compute_ms"], at["comm_ms"])
+    check = results["peer_checks"]["inductor-overlap"]
+    assert check["graphs"] >= 2 and isinstance(check["changed"], bool), check
+
+
+def sequence_parallel_mlp(x, w1, w2):
+    """all-gather → matmul → relu → matmul → reduce-scatter: the peers' test program."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    h = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
+    return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, dist.group.WORLD)
+
+
+def test_overlap_peer_runs_on_cpu():
+    """model_step's ``inductor-overlap`` peer: Inductor's overlap scheduler, given CPU estimates,
+    compiles on CPU and moves a matmul between the backward's collective start and its wait.
+    Single process, fake group; read from the generated code."""
+    import torch
+    from _common import run_and_keep_code, schedule_of
+    from _overlap_peer import overlap_scheduler_config
+    from torch._inductor.compile_fx import compile_fx
+
+    import commfuse_compile
+
+    codes = {}
+    with commfuse_compile.fake_world(2):
+        inputs = [torch.randn(64, 128, requires_grad=True), torch.randn(128, 256, requires_grad=True), torch.randn(256, 128, requires_grad=True)]
+        for name, patches in (("inductor", {}), ("inductor-overlap", overlap_scheduler_config(50e9, 125e6))):
+            torch._dynamo.reset()
+            backend = lambda gm, example, patches=patches: compile_fx(gm, example, config_patches=patches)  # noqa: E731
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                compiled = torch.compile(sequence_parallel_mlp, backend=backend)
+                _, codes[name] = run_and_keep_code(lambda: compiled(*inputs).sum().backward())
+    torch._dynamo.reset()
+    plain, overlapped = (schedule_of(codes[name][1]) for name in ("inductor", "inductor-overlap"))
+    assert plain != overlapped, plain
+    assert any("mm" in overlapped[start:overlapped.index("wait_tensor", start)] for start, op in enumerate(overlapped) if op in ("all_gather_into_tensor", "reduce_scatter_tensor")), overlapped
 
 
 @pytest.mark.slow
@@ -174,7 +234,7 @@ def test_peak_memory_model():
     assert peak_memory.analytic_bytes("ring", sizes, 2, 4)["product_held"] == 3 * full // 8
 
 
-@pytest.mark.parametrize("module", [step_time, compile_time, peak_memory, moe_memory], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [step_time, model_step, compile_time, peak_memory, moe_memory], ids=lambda m: m.__name__)
 def test_help(module, capsys):
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
@@ -187,16 +247,10 @@ def test_reorder_peer_runs_its_passes():
     runs no pass in torch 2.13): in the MLP's backward the weight-gradient matmul moves between
     the reduce-scatter's start and its wait. Single process, fake group; read from the code."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     from _common import schedule_of
     from torch._inductor.utils import run_and_get_code
 
     import commfuse_compile
-
-    def mlp(x, w1, w2):
-        h = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
-        return funcol.reduce_scatter_tensor(torch.relu(h @ w1) @ w2, "sum", 0, dist.group.WORLD)
 
     codes = {}
     with commfuse_compile.fake_world(2):
@@ -204,7 +258,7 @@ def test_reorder_peer_runs_its_passes():
         for name, flag in (("inductor", {}), ("inductor-reorder", step_time.REORDER_PEER)):
             torch._dynamo.reset()
             with torch._inductor.config.patch({**flag, "fx_graph_cache": False}):
-                compiled = torch.compile(mlp, backend="inductor", options=flag or None)
+                compiled = torch.compile(sequence_parallel_mlp, backend="inductor", options=flag or None)
                 _, codes[name] = run_and_get_code(lambda: compiled(*inputs).sum().backward())
     torch._dynamo.reset()
     plain, reordered = (schedule_of(codes[name][1]) for name in ("inductor", "inductor-reorder"))

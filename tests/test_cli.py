@@ -1,4 +1,4 @@
-"""``python -m commfuse_compile explain | simulate | bench`` (the demo has its own test)."""
+"""``python -m commfuse_compile explain | simulate | bench | calibrate`` (the demo has its own test)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BUILDER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("command", ["demo", "explain", "simulate", "bench"])
+@pytest.mark.parametrize("command", ["demo", "explain", "simulate", "bench", "calibrate"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as done:
         main([command, "--help"])
@@ -60,3 +60,18 @@ def test_simulate_prints_every_schedule_and_autos_choice(capsys):
 def test_bench_runs_the_paper_check(capsys):
     assert main(["bench", "paper"]) == 0
     assert "Table 1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_calibrate_measures_and_caches(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
+    assert main(["calibrate", "--world-size", "2"]) == 0
+    out = capfd.readouterr().out
+    assert "measured(2 ranks), measured at the first compile" in out and "MB/s per direction" in out, out
+    (cached,) = tmp_path.glob("profile-*.json")
+    assert set(json.loads(cached.read_text())["values"]) >= {"link_bandwidth", "link_latency", "flops_32bit"}
+
+
+def test_calibrate_needs_two_ranks(capsys):
+    assert main(["calibrate", "--world-size", "1"]) == 2
+    assert "at least 2" in capsys.readouterr().err

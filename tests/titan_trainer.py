@@ -100,13 +100,19 @@ def build(
     seed: int = 0,
     ep: int = 1,
     spmd_backend: str = "spmd_types",
+    dim: int | None = None,
+    n_heads: int | None = None,
+    batch: int = BATCH,
+    seq: int = SEQ,
 ) -> Training:
     """torchtitan's ``model`` ("llama3", "qwen3" or "qwen3_moe") through its ``parallelize_*``
     on the default process group: TP over ``tp`` ranks, FSDP over the rest, expert parallelism
     over ``ep`` ranks (torchtitan's ``expert_parallel_degree``), activation checkpointing ``ac``
     (one of :data:`AC_MODES`), compiled per block (and the loss) with ``backend``;
     ``param_dtype``: torchtitan's ``training.mixed_precision_param`` ("float32" or its
-    default "bfloat16"); ``spmd_backend``: torchtitan's ``parallelism.spmd_backend``."""
+    default "bfloat16"); ``spmd_backend``: torchtitan's ``parallelism.spmd_backend``. ``dim``
+    and ``n_heads`` resize the dense models (:func:`_sized_config`); ``batch`` sequences of
+    ``seq`` tokens per data-parallel rank."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -119,7 +125,9 @@ def build(
     if world % tp:
         raise ValueError(f"tp={tp} must divide the world size {world}")
     config, parallelize, parallelize_module = _model(model)
-    _titan_sdpa_layers(config, n_layers, SEQ)
+    if dim is not None or n_heads is not None:
+        config = _sized_config(model, dim or config.dim, n_heads or config.layers[0].attention.n_heads, n_layers)
+    _titan_sdpa_layers(config, n_layers, seq)
     _titan_vocab(config, VOCAB)
     parallelism = ParallelismConfig(
         tensor_parallel_degree=tp,
@@ -151,8 +159,8 @@ def build(
     loss_fn = CrossEntropyLoss(CrossEntropyLoss.Config(global_vocab_size=VOCAB), compile_config=compile_config)
     optimizer = torch.optim.AdamW(module.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
     dp_rank = dist.get_rank() // tp  # (the same tokens on the ranks of one TP group)
-    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed + 1 + dp_rank))
-    valid = torch.tensor(BATCH * SEQ * (world // tp))
+    data = torch.randint(0, VOCAB, (batch, seq + 1), generator=torch.Generator().manual_seed(seed + 1 + dp_rank))
+    valid = torch.tensor(batch * seq * (world // tp))
     return Training(module, loss_fn, optimizer, context, data[:, :-1], data[:, 1:], valid, parallel_dims.ep_enabled)
 
 
@@ -183,6 +191,56 @@ def _model(name: str) -> tuple[Any, Any, Any]:
         torch._dynamo.config.capture_scalar_outputs = True
         return config, module.parallelize_qwen3, module
     raise ValueError(f"model must be 'llama3', 'qwen3' or 'qwen3_moe', got {name!r}")
+
+
+def _sized_config(name: str, dim: int, n_heads: int, n_layers: int) -> Any:
+    """The dense ``debugmodel`` of ``name`` at width ``dim`` with ``n_heads`` heads, built by
+    torchtitan's own layer builders as its ``_debugmodel`` builds the debug size: Llama3 with
+    its FFN rule (``compute_ffn_hidden_dim(dim, 256)``), Qwen3 with 4 kv heads (TP 2 or 4)
+    and an FFN of ``8 * dim / 3`` rounded up to 256."""
+    if name == "llama3":
+        import torchtitan.models.llama3 as titan
+
+        return titan.Llama3Model.Config(
+            dim=dim,
+            vocab_size=VOCAB,
+            tok_embeddings=titan.Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=titan._EMBEDDING_INIT),
+            norm=titan.RMSNorm.Config(normalized_shape=dim, param_init=titan._NORM_INIT),
+            lm_head=titan.Linear.Config(in_features=dim, out_features=VOCAB, param_init=titan._output_linear_init(dim)),
+            layers=titan._build_llama3_layers(
+                fuse_qkv=True,
+                n_layers=n_layers,
+                dim=dim,
+                n_heads=n_heads,
+                hidden_dim=titan.compute_ffn_hidden_dim(dim, multiple_of=256),
+                rope=titan.ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
+                attn_backend="flex",
+            ),
+        )
+    if name == "qwen3":
+        import torchtitan.models.qwen3 as titan
+
+        head_dim = dim // n_heads
+        return titan.Qwen3Model.Config(
+            vocab_size=VOCAB,
+            dim=dim,
+            norm=titan._qwen3_norm(dim),
+            enable_weight_tying=True,
+            tok_embeddings=titan.Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init=titan._EMBEDDING_SKIP_INIT),
+            lm_head=titan.Linear.Config(in_features=dim, out_features=VOCAB, param_init=titan._LINEAR_INIT),
+            layers=titan._build_qwen3_layers(
+                fuse_qkv=True,
+                n_layers=n_layers,
+                dim=dim,
+                n_heads=n_heads,
+                n_kv_heads=4,
+                head_dim=head_dim,
+                hidden_dim=-(-8 * dim // 3 // 256) * 256,
+                attn_backend="flex",
+                rope=titan.CosSinRoPE.Config(dim=head_dim, max_seq_len=4096, theta=1000000.0),
+            ),
+        )
+    raise ValueError(f"only the dense models resize (llama3, qwen3), got {name!r}")
 
 
 @contextlib.contextmanager
