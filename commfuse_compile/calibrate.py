@@ -22,7 +22,8 @@ inside a larger job) plan with it too:
 The ranks then agree by one reduction (rates: the slowest rank's; costs: the largest), so
 every rank plans with the same numbers, and the result is cached on disk per machine, device
 and group layout (:func:`cache_path`) and reused by later runs, which then only agree on it.
-The measurement costs about a second (more on a slow link: a 4 MB message is timed 3 times).
+The measurement costs a second or two on a 1 Gbit/s link (thirteen 4 MB exchanges), more on a
+slower one; the logger reports it.
 ``python -m commfuse_compile calibrate`` measures ahead of time. A ``profile`` option still
 wins; the fake process group and ``explain`` use the device's named profile.
 """
