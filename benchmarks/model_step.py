@@ -31,8 +31,7 @@ its setting changed the order of collectives, waits and kernels (``peer_checks``
 timed alongside: ``comm-only`` replays the step's collectives, one after the other, each
 waited for, on buffers of the same sizes (recorded from one eager step of the Inductor model:
 the compiled graphs issue the same ones); ``comm-ring`` moves their bytes as a ring moves them,
-through commfuse's transport (:func:`ring_transfers`: gloo's reduce-scatter is no ring and moves
-about twice as much, so the replay overstates what communication must cost); ``compute-only``
+through commfuse's transport (:func:`ring_transfers`); ``compute-only``
 runs the Inductor model's step on a fake process group of the same world size (collectives are
 free there; rank 0 only, after the gloo ranks finish). ``max(compute, min(comm-only,
 comm-ring))`` is the ideal a perfect overlap could reach (at tiny sizes the ring's per-step
@@ -422,9 +421,11 @@ def ring_transfers(calls: list[tuple[Any, tuple, dict]]) -> Callable[[], None]:
     """The recorded collectives' bytes moved as a ring moves them (commfuse's own transport,
     each rank sending to its successor in the group while receiving from its predecessor):
     all-gather N−1 steps of a block, reduce-scatter N−1 steps of the output, all-reduce 2(N−1)
-    steps of 1/N. gloo's reduce-scatter moves about twice that (it is not a
-    ring), so this, not the replay, is the lower bound on communication an overlap can reach;
-    collectives of another kind are replayed as they are."""
+    steps of 1/N: the volume a ring schedule moves, beside the replay of the library's own
+    collectives (the ideal takes the faster of the two); collectives of another kind are
+    replayed as they are."""
+    import torch.distributed as dist
+
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     from commfuse_compile.p2p import ring_exchange
@@ -437,7 +438,7 @@ def ring_transfers(calls: list[tuple[Any, tuple, dict]]) -> Callable[[], None]:
             steps.append(lambda call=(func, args, kwargs): replay([call]))
             continue
         group = _resolve_process_group(group_name)
-        n, rank = dist_size_and_rank(group)
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
         count, share = RING_STEPS[name](n)
         block = torch.empty(max(int(args[0].numel() * share), 1), dtype=args[0].dtype)
 
@@ -446,7 +447,12 @@ def ring_transfers(calls: list[tuple[Any, tuple, dict]]) -> Callable[[], None]:
                 torch.ops.commfuse.wait_exchange(ring_exchange(block, (rank + 1) % n, (rank - 1) % n, group_name, 0), block)
 
         steps.append(exchange)
-    return lambda: [step() for step in steps] and None
+
+    def transfer_all() -> None:
+        for step in steps:
+            step()
+
+    return transfer_all
 
 
 # Ring steps and the fraction of the input tensor each step moves, per collective, in a group of n.
@@ -456,12 +462,6 @@ RING_STEPS: dict[str, Callable[[int], tuple[int, float]]] = {
     "reduce_scatter_tensor": lambda n: (n - 1, 1.0 / n),
     "all_reduce": lambda n: (2 * (n - 1), 1.0 / n),
 }  # (an all-to-all is replayed: gloo's is pairwise already, and its blocks differ per rank)
-
-
-def dist_size_and_rank(group: Any) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def replay(calls: list[tuple[Any, tuple, dict]]) -> None:

@@ -31,6 +31,7 @@ wins; the fake process group and ``explain`` use the device's named profile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -239,7 +240,8 @@ def _store(key: str, values: dict[str, float]) -> None:
         log.warning("commfuse: could not cache the measured profile in %s (%s); the next run measures again", path, err)
 
 
-def _cpu_name() -> str:
+@functools.cache
+def _cpu_name() -> str:  # (read once: the cache key is built at every compile)
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
