@@ -17,7 +17,9 @@ inside a larger job) plan with it too:
   on gloo is a fraction of a ring step's);
 - whether both directions run at once (``duplex``: an exchange with both neighbours takes at
   most 1.5× one direction's time);
-- the slowdown of a matmul while a large exchange is in flight (``overlap_slowdown``).
+- the slowdown of a matmul while a large exchange is in flight (``overlap_slowdown``), and
+  what a small exchange started before a matmul and waited for after it adds to the matmul's
+  time (``step_overhead``: the host's share of a ring step, which no overlap hides).
 
 The ranks then agree by one reduction (rates: the slowest rank's; costs: the largest), so
 every rank plans with the same numbers, and the result is cached on disk per machine, device
@@ -52,7 +54,7 @@ log = logging.getLogger("commfuse_compile")
 # The fields measured, in the order of the agreeing reduction; rates are reduced with their
 # minimum, costs with their maximum (as the minimum of their negation).
 RATES = ("flops_32bit", "flops_16bit", "link_bandwidth", "duplex")
-COSTS = ("half_efficiency_dim", "matmul_overhead", "link_latency", "collective_latency", "overlap_slowdown")
+COSTS = ("half_efficiency_dim", "matmul_overhead", "link_latency", "collective_latency", "overlap_slowdown", "step_overhead")
 SMALL_BYTES, LARGE_BYTES = 4, 4 << 20
 _measured: dict[str, HardwareProfile] = {}  # this process's profiles, by cache key
 
@@ -153,7 +155,28 @@ def _measure_link(group: dist.ProcessGroup | None, device: torch.device) -> dict
     received = ring_exchange(sent, after, before, name, 3)
     busy = _median_seconds(lambda: a @ b, device, repeats=3)
     torch.ops.commfuse.wait_exchange(received, sent)
-    return {"link_latency": latency, "collective_latency": collective, "link_bandwidth": bandwidth, "duplex": float(duplex), "overlap_slowdown": max(busy / alone, 1.0)}
+    # A ring step beside a matmul that outlasts it: start a small exchange, the matmul, wait.
+    # What that adds to the matmul alone is the step's cost no overlap hides.
+    small = torch.zeros(SMALL_BYTES // 4, device=device)
+    left, right, matmul_alone = a, b, alone
+    if device.type == "cuda":  # (a few ms, as on the CPU)
+        left = right = torch.randn(4096, 4096, device=device)
+        matmul_alone = _median_seconds(lambda: left @ right, device)
+
+    def step() -> None:
+        got = ring_exchange(small, after, before, name, 4)
+        left @ right
+        torch.ops.commfuse.wait_exchange(got, small)
+
+    beside = _median_seconds(step, device, repeats=11, barrier=group)
+    return {
+        "link_latency": latency,
+        "collective_latency": collective,
+        "link_bandwidth": bandwidth,
+        "duplex": float(duplex),
+        "overlap_slowdown": max(busy / alone, 1.0),
+        "step_overhead": max(beside - matmul_alone, 0.0),
+    }
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, barrier: dist.ProcessGroup | None | bool = False) -> float:
@@ -193,7 +216,8 @@ def describe(profile: HardwareProfile) -> str:
         f"matmul {profile.flops_32bit / 1e9:.0f} GFLOP/s fp32, {profile.flops_16bit / 1e9:.0f} bf16; "
         f"link {profile.link_bandwidth / 1e6:.0f} MB/s per direction, {profile.link_latency * 1e6:.0f} µs per ring step "
         f"({(profile.collective_latency or 0) * 1e6:.0f} µs per step of the plain collective), "
-        f"{'duplex' if profile.duplex else 'one direction at a time'}; overlap slowdown {profile.overlap_slowdown:.2f}"
+        f"{'duplex' if profile.duplex else 'one direction at a time'}; overlap slowdown {profile.overlap_slowdown:.2f}, "
+        f"{profile.step_overhead * 1e6:.0f} µs per ring step beside compute"
     )
 
 

@@ -90,6 +90,13 @@ def estimate(work: Workload, profile: HardwareProfile, schedule: str, m: int = 1
     return Estimate(schedule, m, total, total - timeline.busy(COMPUTE), timeline)
 
 
+def step_cost(t: Timeline, profile: HardwareProfile, name: str) -> None:
+    """The compute lane's share of one point-to-point step (issuing and finishing it), which
+    no overlap hides: ``profile.step_overhead`` (nothing where that is 0)."""
+    if profile.step_overhead:
+        t.add(f"issue{name}", COMPUTE, profile.step_overhead)
+
+
 def collective_seconds(work: Workload, profile: HardwareProfile, nbytes: float) -> float:
     """The plain all-gather / reduce-scatter: N-1 steps of one chunk each."""
     return (work.group_size - 1) * profile.collective_step_seconds(nbytes)
@@ -147,6 +154,8 @@ def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, schedule:
             if gather:
                 # start reads the piece received last step, whose wait is pinned after that step's matmul
                 send = t.add("send" + name, link(move.direction), transfer, (arrived.get(p), computed.get(p))) if move.sends else None
+                if move.sends:
+                    step_cost(t, profile, name)
                 computed[p] = t.add("matmul" + name, COMPUTE, compute, (arrived.get(p),))
                 arrived[p] = send
             else:
@@ -154,6 +163,7 @@ def _ring_steps(t: Timeline, work: Workload, profile: HardwareProfile, schedule:
                 computed[p] = t.add("matmul" + name, COMPUTE, compute)
                 if move.sends:
                     arrived[p] = t.add("send" + name, link(move.direction), transfer, (computed[p], arrived.get(p)))
+                    step_cost(t, profile, name)
 
 
 DEFAULT_CHUNKS = {"ring": 1, "bidirectional": 1, "slicing": 4}

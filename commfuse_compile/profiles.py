@@ -41,6 +41,10 @@ class HardwareProfile:
         overlap_slowdown: compute that runs while transfers are in flight takes this factor
             longer (shared memory bandwidth / SMs on GPUs, shared cores for gloo); the
             transfers themselves run at the link's rate (a link, not the compute, bounds them).
+        step_overhead: seconds each point-to-point step takes from the compute beside it,
+            which no overlap hides: issuing and finishing the transfer (0: none assumed;
+            where ``auto`` measures, a matmul with a small exchange in flight minus the matmul
+            alone).
     """
 
     name: str
@@ -54,6 +58,7 @@ class HardwareProfile:
     duplex: bool = True
     overlap_slowdown: float = 1.0
     collective_latency: float | None = None
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -80,7 +85,7 @@ class HardwareProfile:
 
 # Fields that may be 0 (an idealised profile: no latency, no per-matmul cost, full efficiency
 # at any size); every other number must be > 0, and overlap_slowdown >= 1.
-ZERO_ALLOWED = ("link_latency", "matmul_overhead", "half_efficiency_dim", "collective_latency")
+ZERO_ALLOWED = ("link_latency", "matmul_overhead", "half_efficiency_dim", "collective_latency", "step_overhead")
 
 
 def _check_field(key: str, value: Any) -> None:
@@ -192,7 +197,7 @@ def resolve_profile(profile: str | Mapping[str, Any] | HardwareProfile | None, d
         if not isinstance(base, str):
             raise ValueError(f"commfuse option 'profile': 'base' must be a built-in profile name ({', '.join(names())}), got {base!r}")
         return dataclasses.replace(resolve_profile(base), **{"name": f"{base}+custom", **values})
-    missing = sorted(fields - set(values) - {"source", "duplex", "overlap_slowdown", "name", "collective_latency"})
+    missing = sorted(fields - set(values) - {"source", "duplex", "overlap_slowdown", "name", "collective_latency", "step_overhead"})
     if missing:
         raise ValueError(f"commfuse option 'profile': missing field(s) {missing} (or give 'base': a built-in name)")
     values.setdefault("name", "custom")

@@ -25,7 +25,8 @@ projections of Ulysses), each block as it arrives; *before* it (the expert outpu
 an MoE combine, query-split attention before Ulysses' second all-to-all), each outgoing block
 just before its step.
 
-The cost model times (:func:`AllToAll.workload`): the matmuls of both sides, cut into N blocks,
+The cost model times (:func:`AllToAll.workload`): the matmuls of both sides (attention and its
+backward as the matmuls of their FLOPs), cut into N blocks,
 and one block in bytes (run-time splits: at balanced routing): vanilla (the ops before, the all-to-all, the ops after) against the N − 1
 pairwise steps.
 
@@ -57,12 +58,14 @@ import torch
 import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
-from commfuse_compile.cost_model import COLLECTIVE, COMPUTE, Matmul, Workload, collective_seconds, compute_seconds
+from commfuse_compile.cost_model import COLLECTIVE, COMPUTE, Matmul, Workload, collective_seconds, compute_seconds, step_cost
 from commfuse_compile.profiles import HardwareProfile
 from commfuse_compile.simulator import Timeline
 from commfuse_compile.schedules import all_to_all_steps
 
-from .fusion import Fuse
+from .attention import ATTENTION, arguments
+from .attention_backward import ATTENTION_BACKWARD
+from .fusion import Fuse, attention_note
 from .graph_utils import MATMULS, WAIT, Emitter, aten, c10d, describe_users, fake, hinted, hinted_shape, left_operand, ring_exchange_op, shape_of, target_name
 from .layout import SYM_SIZE, single_wait
 from .pattern import Pattern
@@ -128,7 +131,7 @@ class AllToAll(Pattern):
         the result's row counts, cut into N equal blocks), as every rank assumes alike."""
         before, after = regions(site, site.group_size, set())
         rows = _rows_at_balance(site)
-        sides = [[_matmul(n, rows) for n in (r.computed if r else ()) if n.target in MATMULS] for r in (before, after)]
+        sides = [[mm for n in (r.computed if r else ()) for mm in _matmuls(n, rows)] for r in (before, after)]
         x = fake(site.collective.args[0])
         block = rows * math.prod(hinted(size) for size in x.shape[1:]) * x.element_size() // site.group_size
         dtype = x.dtype
@@ -189,7 +192,7 @@ class AllToAll(Pattern):
             made.assemble(emit)
         site.wait.replace_all_uses_with(result)
         site.fused = [*(before.computed if before else []), *(after.computed if after else [])]
-        sides = [f"{side}: {region.describe()}" for side, region in (("before", before), ("after", after)) if region is not None]
+        sides = [f"{side}{attention_note(region)}: {region.describe()}" for side, region in (("before", before), ("after", after)) if region is not None]
         site.notes.append("fused into the steps: " + ("; ".join(sides) or "nothing (its neighbours are in another site's steps)"))
 
     def reserved(self, site: Site) -> set[fx.Node]:
@@ -230,6 +233,7 @@ def _pairwise_steps(t: Timeline, work: Workload, profile: HardwareProfile) -> No
     arrived = None
     for k, _move in enumerate(all_to_all_steps(n, 0)):
         send = t.add(f"send[{k}]", "link+", transfer, (outgoing,))
+        step_cost(t, profile, f"[{k}]")
         if ahead.matmuls:
             outgoing = t.add(f"before[{k}]", COMPUTE, made, (outgoing,))
         if behind.matmuls:
@@ -308,6 +312,30 @@ def _rows_at_balance(site: Site) -> int:
 
 def _own(site: Site) -> set[fx.Node]:
     return {site.collective, site.wait}
+
+
+def _matmuls(node: fx.Node, rows_at_balance: int) -> list[Matmul]:
+    """The matmuls of a region node the cost model times: a matmul itself; attention (and its
+    backward) cut by query rows as the matmuls of its FLOPs."""
+    if node.target in MATMULS:
+        return [_matmul(node, rows_at_balance)]
+    if (products := ATTENTION_PRODUCTS.get(node.target)) is not None:
+        return [_attention_matmul(node)] * products
+    return []
+
+
+# Attention's [L, E] @ [E, S]-sized products per head: QK and PV forward; the CPU flash backward
+# recomputes QK, then dP = dO·V, dV, dQ and dK.
+ATTENTION_PRODUCTS = {**dict.fromkeys(ATTENTION, 2), **dict.fromkeys(ATTENTION_BACKWARD, 5)}
+
+
+def _attention_matmul(node: fx.Node) -> Matmul:
+    """One product of attention per head as one matmul: rows are query rows of every batch and
+    head, the keys seen are halved when causal (on average a query row sees half of them)."""
+    batch, heads, queries, depth = hinted_shape(node.args[1] if node.target in ATTENTION_BACKWARD else node.args[0])
+    keys = hinted_shape(node.args[2] if node.target in ATTENTION_BACKWARD else node.args[1])[2]
+    causal = arguments(node.target, node.args, node.kwargs)["is_causal"]
+    return Matmul(batch * heads * queries, depth, max(keys // 2 if causal else keys, 1), "m")
 
 
 def _matmul(node: fx.Node, rows_at_balance: int) -> Matmul:

@@ -36,6 +36,7 @@ import dataclasses
 import torch.fx as fx
 
 from .attention import is_attention
+from .attention_backward import ATTENTION_BACKWARD, is_attention_backward
 from .chunks import join, rows_of_pieces
 from .graph_utils import ADDMM, RESHAPES, SCALED_MM, Emitter, aten, fake, left_operand, right_operand, same_shape
 from .pieces import Pieces
@@ -48,9 +49,14 @@ def _record(site: Site, region: Region | None) -> Pieces | None:
     if region is None:
         return None
     site.fused += region.computed
-    attention = " (query-split attention)" if any(is_attention(n) and a == 2 for n, a in region.axis.items()) else ""
-    site.notes.append(f"fused into the steps{attention}: {region.describe()}")
+    site.notes.append(f"fused into the steps{attention_note(region)}: {region.describe()}")
     return Pieces(region)
+
+
+def attention_note(region: Region) -> str:
+    """How the region cuts attention, for a site's note ("" if it holds none)."""
+    note = " (query-split attention)" if any(is_attention(n) and a == 2 for n, a in region.axis.items()) else ""
+    return note + (" (attention backward by query block)" if any(map(is_attention_backward, region.axis)) else "")
 
 class GatherFusion:
     """Flash-AG: the region after the site's row consumers, computed piece by piece."""
@@ -72,7 +78,11 @@ class GatherFusion:
                 shape = [*leading, fake(consumer.mm).shape[1]]
                 seeds.append([u for u in consumer.mm.users if u.target in RESHAPES and same_shape(fake(u).shape, shape)])
         given = {node: site.dim for nodes in seeds for node in nodes}
-        region = forward_region(site, given, count, reserved) if enabled and given else None
+        # Attention's backward stays whole after Flash-AG (the TP + SP backward's dO gather):
+        # each block's dK / dV is padded to its own length, a kernel of its own per piece, and
+        # a Llama block's kernels are held not to grow with the group (tests/test_kernels.py).
+        # Not yet done there; the all-to-all (Ulysses) cuts it.
+        region = forward_region(site, given, count, reserved, stop_at=ATTENTION_BACKWARD) if enabled and given else None
         return cls(site, count, region, seeds)
 
     def step(self, emit: Emitter, q: int, outputs: list[fx.Node | None]) -> list[fx.Node]:

@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 
 from commfuse_compile._compat import resolve_process_group
-from commfuse_compile.cost_model import COLLECTIVE, COMPUTE, Matmul, Workload, collective_seconds, compute_seconds
+from commfuse_compile.cost_model import COLLECTIVE, COMPUTE, Matmul, Workload, collective_seconds, compute_seconds, step_cost
 from commfuse_compile.profiles import HardwareProfile
 from commfuse_compile.schedules import moe_ep_steps
 from commfuse_compile.simulator import Timeline
@@ -428,7 +428,9 @@ def timelines(t: Timeline, work: Workload, profile: HardwareProfile, schedule: s
     for i, step in enumerate(moe_ep_steps(n, 0)):
         if step.dispatch is not None:
             arrived[step.dispatch.recv_from] = t.add(f"dispatch[{i}]", "link+", transfer)
+            step_cost(t, profile, f"[dispatch {i}]")
         if step.combine is not None:
             t.add(f"combine[{i}]", back_link, transfer, (computed[step.combine.send_to],))
+            step_cost(t, profile, f"[combine {i}]")
         if step.experts_on is not None:
             computed[step.experts_on] = t.add(f"experts[{i}]", COMPUTE, block, (arrived[step.experts_on],))

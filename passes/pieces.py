@@ -7,6 +7,7 @@ import operator
 import torch.fx as fx
 
 from .attention import LOGSUMEXP, OUT, Merged, assembled_logsumexp, is_attention, query_split
+from .attention_backward import BlockGradients, assembled_gradient, is_attention_backward, query_block_backward
 from .graph_utils import RESHAPES, Emitter, aten, fake, same_size
 from .regions import Region
 from .rowlocal import Blocks, input_axes
@@ -54,13 +55,19 @@ class Pieces:
         """Every region node on piece q; returns the pieces read outside the region."""
         for node in self.region.computed:
             self.value(emit, node, q)
-        return [self.values[n, q] for n in self.region.computed if self.region.outside_users(n)]
+        read_outside = [self.values[n, q] for n in self.region.computed if self.region.outside_users(n)]
+        return [node for value in read_outside for node in (value.nodes() if isinstance(value, BlockGradients) else [value])]
 
     def assemble(self, emit: Emitter) -> None:
-        """Replace each region value read outside the region by its pieces, concatenated."""
+        """Replace each region value read outside the region by its pieces, concatenated (an
+        attention backward's dK and dV: summed)."""
         for node in self.region.computed:
             readers = self.region.outside_users(node)
-            if readers and not is_attention(node):
+            if is_attention_backward(node):  # read through getitems: dK, dV summed over the pieces
+                blocks = [self.value(emit, node, q) for q in range(self.region.count)]
+                for reader in readers:
+                    reader.replace_all_uses_with(assembled_gradient(emit, blocks, reader.args[1]))
+            elif readers and not is_attention(node):
                 whole = self._whole(emit, node)
                 node.replace_all_uses_with(whole, delete_user_cb=lambda user: user in readers)
 
@@ -99,6 +106,10 @@ class Pieces:
             return emit(aten.expand.default if node.target is aten.expand.default else aten.reshape.default, args[0], shape)
         if is_attention(node) and along == 2:
             return query_split(emit, node, args, kwargs, q, self.region.count)
+        if is_attention_backward(node):
+            return query_block_backward(emit, node, args, kwargs, q, self.region.count)
         if node.target is operator.getitem and isinstance(args[0], Merged):  # a merged query split's outputs
             return args[0].output(emit, args[1])
+        if node.target is operator.getitem and isinstance(args[0], BlockGradients):
+            return args[0].output(args[1])
         return emit(node.target, *args, **kwargs)

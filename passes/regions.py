@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from .attention import attention_refusal, is_attention
+from .attention_backward import ATTENTION_BACKWARD, backward_refusal, is_any_attention_backward, is_attention_backward
 from .graph_utils import WAIT
 from .rowlocal import VIEWS, Blocks, axes_of, input_axes
 from .site import Site
@@ -77,6 +78,9 @@ def forward_region(
                         seen.add(user)
                         heapq.heappush(frontier, user)
                 break
+        else:
+            if is_any_attention_backward(node):  # (the ring's pieces reach it: say why it is not cut)
+                _note(site.notes, f"not fused: {node.name} is computed whole ({_backward_left_whole(node, count, blocks)})")
     if len(axis) == len(given):
         return None
     region = Region(axis, count, frozenset(given), blocks)
@@ -100,8 +104,11 @@ def backward_region(
             continue
         cut = input_axes(node, along, count, blocks) if node.op == "call_function" and node not in reserved else None
         if cut is None and is_attention(node) and node not in reserved:
-            note = f"not fused: {node.name} is computed whole ({attention_refusal(node, along)})"
-            notes += [note] if note not in notes else []
+            _note(notes, f"not fused: {node.name} is computed whole ({attention_refusal(node, along)})")
+        if is_attention_backward(node):
+            # Not here: its dK and dV would be summed after this ring, which runs after the rings
+            # that read them. The ring that brings its output gradient cuts it (forward_region).
+            cut = None
         if cut is None:
             continue  # a leaf: sliced
         axis[node] = along
@@ -116,6 +123,19 @@ def backward_region(
         notes.append(f"not fused: {min(n.name for n in cycle)} is also needed whole before the ring")
         return None
     return region
+
+def _backward_left_whole(node: fx.Node, count: int, blocks: Blocks | None) -> str:
+    """Why a ring's after side does not cut the attention backward its pieces reach."""
+    if blocks is not None:
+        return "pieces of run-time size"
+    if node.target not in ATTENTION_BACKWARD or input_axes(node, 2, count) is None:
+        return backward_refusal(node, 2)
+    return "the ring's pieces are not its query rows, or an input comes from a later collective"
+
+
+def _note(notes: list[str], note: str) -> None:
+    if note not in notes:
+        notes.append(note)
 
 def _trimmed(region: Region, downstream: bool) -> Region | None:
     """Keep the compute and the views between it and the ring; drop views that only lead out

@@ -6,7 +6,8 @@ be cut (or that it is read whole, where it broadcasts) — or that the op mixes 
 here: pointwise ops (torch's ``pointwise`` tag) with broadcasting, reshapes that keep a piece a
 block, permutes, squeeze, unsqueeze, expand, reductions over other dims, ``mm`` / ``addmm`` by rows (the
 right operand read whole: a replicated weight) or by columns (the left read whole, the right
-cut: one head group's projection), and attention (:mod:`.attention`).
+cut: one head group's projection), and attention (:mod:`.attention`) and its backward by query
+rows (:mod:`.attention_backward`: dQ is cut, dK and dV are summed over the pieces).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .attention import ATTENTION, attention_axes, is_attention
+from .attention_backward import ATTENTION_BACKWARD, DQ, backward_axes, is_attention_backward
 from .graph_utils import ADDMM, MM, RESHAPES, aten, divides, fake, same_size
 
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
@@ -75,6 +77,8 @@ def _cut_size_ok(size: Any, blocks: Blocks | None) -> bool:
 def _input_axes(node: fx.Node, axis: int, count: int, blocks: Blocks | None) -> dict[fx.Node, int | None] | None:
     if node.target is operator.getitem and is_attention(node.args[0]):  # (also its per-call outputs)
         return None if blocks is not None else {node.args[0]: axis}
+    if node.target is operator.getitem and is_attention_backward(node.args[0]):  # dK, dV: summed, not cut
+        return {node.args[0]: axis} if blocks is None and node.args[1] == DQ else None
     out = fake(node)
     if isinstance(out, torch.Tensor) and (axis >= out.dim() or not cuttable(out.shape[axis], count, blocks)):
         return None
@@ -102,6 +106,8 @@ def _input_axes(node: fx.Node, axis: int, count: int, blocks: Blocks | None) -> 
         return _matmul_axes(node, axis)
     if target in ATTENTION:
         return attention_axes(node, axis) if blocks is None else None  # (query splits: equal pieces only)
+    if target in ATTENTION_BACKWARD:
+        return backward_axes(node, axis) if blocks is None else None
     if isinstance(target, torch._ops.OpOverload) and is_pointwise(target) and isinstance(out, torch.Tensor):
         return _broadcast_axes(out.shape, inputs, axis)
     return None

@@ -208,12 +208,13 @@ def expert_parallel(x, w1, w2):
     return back * gate
 
 
-def ulysses(x, w1, w2):
+def ulysses(x, w1, w2, masked=False):
     """Ulysses sequence parallelism, two heads per rank: this rank's rows of the sequence
     [S/N, H], replicated q / k / v weights, an all-to-all each from sequence- to head-sharded
     (head group j's columns to rank j), laid out [1, heads, S, d] for causal attention over the
     whole sequence, transposed back and squeezed to rows of S, an all-to-all back (head group j's
-    output for this rank's rows from rank j) and the (per-rank) projections W1, W2."""
+    output for this rank's rows from rank j) and the (per-rank) projections W1, W2. ``masked``:
+    the causal mask given as a bool mask instead."""
     n, (rows, hidden) = dist.get_world_size(), x.shape
     heads, d = ULYSSES_HEADS_PER_RANK, hidden // (n * ULYSSES_HEADS_PER_RANK)
     mix = torch.linspace(-1.0, 1.0, hidden * hidden, dtype=x.dtype).view(hidden, hidden) / hidden**0.5  # replicated
@@ -224,7 +225,8 @@ def ulysses(x, w1, w2):
         return got.view(1, n * rows, heads, d).transpose(1, 2)
 
     q, k, v = to_heads(mix), to_heads(mix.flip(0)), to_heads(0.5 * mix)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).squeeze(0)  # [S, heads, d]
+    causal = {"attn_mask": torch.ones(n * rows, n * rows, dtype=torch.bool).tril()} if masked else {"is_causal": True}
+    o = F.scaled_dot_product_attention(q, k, v, **causal).transpose(1, 2).squeeze(0)  # [S, heads, d]
     back = funcol.all_to_all_single_autograd(o.reshape(n * rows, heads * d), None, None, _group())
     return F.silu(back.view(n, rows, heads * d).permute(1, 0, 2).reshape(rows, hidden) @ w1) @ w2
 

@@ -13,7 +13,7 @@ from conftest import fake_world
 import commfuse_compile
 from commfuse_compile import calibrate
 
-FIELDS = ("flops_32bit", "flops_16bit", "half_efficiency_dim", "matmul_overhead", "link_bandwidth", "link_latency", "collective_latency", "duplex", "overlap_slowdown")
+FIELDS = ("flops_32bit", "flops_16bit", "half_efficiency_dim", "matmul_overhead", "link_bandwidth", "link_latency", "collective_latency", "duplex", "overlap_slowdown", "step_overhead")
 
 
 def measure_twice(cache_dir: str, private: bool) -> dict:
@@ -39,6 +39,7 @@ def test_measured_once_agreed_and_cached(ranks, tmp_path, private):
     assert first["source"] == "measured at the first compile"
     assert all(isinstance(first[k], (int, float, bool)) for k in FIELDS)
     assert first["link_bandwidth"] > 1e6 and first["flops_32bit"] > 1e8 and first["overlap_slowdown"] >= 1.0
+    assert 0.0 <= first["step_overhead"] < 1.0  # (seconds: a ring step's host share)
     if private:  # one rank without the cache: measured again by all
         assert second["source"] == "measured at the first compile"
     else:  # every rank has it: reused as it was agreed

@@ -81,6 +81,24 @@ def test_moe_pipeline_exposes_only_the_last_combine_step():
     assert estimate(slow, ROUND, "ring", 1).seconds > 3 * 0.401
 
 
+def test_step_overhead_takes_compute_time_at_every_step():
+    """The host's share of a ring step is on the compute lane: three sending steps of the
+    all-gather ring add 3 × 50 ms to its 0.8 s of (hidden-transfer) matmuls; the all-to-all's
+    three pairwise steps add the same. A tiny matmul the ring would win on (vanilla 15 ms +
+    8 µs) is then left to the plain collective."""
+    import dataclasses
+
+    from commfuse_compile.passes.all_to_all import timelines
+
+    costly = dataclasses.replace(ROUND, step_overhead=0.05)
+    assert estimate(work(), costly, "ring", 1).seconds == pytest.approx(0.8 + 3 * 0.05)
+    a2a = Workload("all_to_all", 4, (Matmul(400, 1000, 1000), Matmul(400, 1000, 1000)), 4_000_000, torch.float32, before=1, timelines=timelines)
+    assert estimate(a2a, costly, "ring").seconds == pytest.approx(estimate(a2a, ROUND, "ring").seconds + 3 * 0.05)
+    tiny = work(rows=2, k=2, cols=1000)
+    assert choose([estimate(tiny, ROUND, "ring", 1)], estimate(tiny, ROUND, "vanilla"), 1.0) is not None
+    assert choose([estimate(tiny, costly, "ring", 1)], estimate(tiny, costly, "vanilla"), 1.0) is None
+
+
 def test_reduce_scatter_ring_ends_on_its_own_chunk():
     # Flash-RS: the matmul of step 0 (0.2 s) precedes the first transfer; 3 transfers of 5 ms
     # each overlap the next matmul; the last step adds the last received partial.

@@ -667,16 +667,6 @@ def test_ulysses_steps_compute_projections_and_query_split_attention(world):
     inputs = programs.make_inputs("ulysses", 0, WORLD, torch.float32)
     graph = post_grad_graphs(programs.ulysses, *inputs)["forward"]
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-
-    def upstream(node, target):  # the nodes of ``target`` that ``node`` is computed from
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n not in seen:
-                seen.add(n)
-                stack += n.all_input_nodes
-        return {n for n in seen if n.target is target}
-
     for r in (0, 5):
         _, sites, _ = rewrite_as(graph, r, "forward", pin_order=False)  # (pinned, a step's inputs include the previous start)
         assert [(s.pattern, s.decision) for s in sites] == [("all_to_all", "rewrite")] * 4
@@ -690,6 +680,59 @@ def test_ulysses_steps_compute_projections_and_query_split_attention(world):
         for k, step in enumerate(sites[3].steps, start=1):
             sent = upstream(step.start.args[0], sdpa)
             assert attention_calls(sent) == query_split_calls(length, [(r + k) % WORLD]), sites[3].notes
+
+
+def upstream(node, target):
+    """The nodes of ``target`` that ``node`` is computed from (itself included)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack += n.all_input_nodes
+    return {n for n in seen if n.target is target}
+
+
+def test_ulysses_backward_steps_compute_attention_backward_by_query_block(world):
+    """Ulysses' backward at world size 8: the all-to-all bringing the output gradient computes
+    attention's backward one query block at a time as the blocks arrive — at step i the block
+    received the step before, the own block at the last step (once its output gradient, which
+    the same ring's before side computes last, is there), the last block received after the
+    ring — each as the causal diagonal block plus the keys before it in full; no call is left
+    on the whole sequence."""
+    import programs
+
+    inputs = programs.make_inputs("ulysses", 0, WORLD, torch.float32)
+    graph = post_grad_graphs(programs.ulysses, *inputs)["backward"]
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    length = 8  # (the sequence is WORLD blocks of the per-rank 8 rows)
+    for r in (0, 5):
+        rewritten, sites, _ = rewrite_as(graph, r, "backward", pin_order=False)
+        assert [(s.pattern, s.decision) for s in sites] == [("all_to_all", "rewrite")] * 4
+        assert "attention backward by query block" in " ".join(sites[0].notes), sites[0].notes
+        done: set = set()
+        for i, step in enumerate(sites[0].steps):
+            calls = {n for c in step.compute for n in upstream(c, backward)} - done
+            blocks = ([(r - i) % WORLD] if i else []) + ([r] if i == WORLD - 2 else [])
+            assert attention_calls(calls) == query_split_calls(length, blocks), (i, sites[0].notes)
+            done |= calls
+        everything = [n for n in rewritten.nodes if n.target is backward]
+        assert attention_calls(everything) == query_split_calls(length, range(WORLD))
+
+
+def test_ulysses_backward_with_a_mask_is_computed_whole_with_the_reason(world):
+    """A masked attention's backward is not cut (yet): the all-to-all bringing its gradient
+    still overlaps its other side, and its note says why attention's backward is whole."""
+    import functools
+
+    import programs
+
+    inputs = programs.make_inputs("ulysses", 0, WORLD, torch.float32)
+    graph = post_grad_graphs(functools.partial(programs.ulysses, masked=True), *inputs)["backward"]
+    _, sites, _ = rewrite_as(graph, 3, "backward", pin_order=False)
+    assert [(s.pattern, s.decision) for s in sites] == [("all_to_all", "rewrite")] * 4
+    notes = " ".join(sites[0].notes)
+    assert "_scaled_dot_product_flash_attention_for_cpu_backward is computed whole (a mask (not yet cut in the backward))" in notes, notes
 
 
 @pytest.mark.parametrize("program", ["plain_tp", "sequence_parallel", "attention"])
