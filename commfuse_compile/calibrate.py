@@ -18,8 +18,8 @@ inside a larger job) plan with it too:
 - whether both directions run at once (``duplex``: an exchange with both neighbours takes at
   most 1.5× one direction's time);
 - the slowdown of a matmul while a large exchange is in flight (``overlap_slowdown``), and
-  what a small exchange started before a matmul and waited for after it adds to the matmul's
-  time (``step_overhead``: the host's share of a ring step, which no overlap hides).
+  what a small exchange started before a matmul and waited for after it adds to the longer of
+  the two alone (``step_overhead``: the host's share of a message, which no overlap hides).
 
 The ranks then agree by one reduction (rates: the slowest rank's; costs: the largest), so
 every rank plans with the same numbers, and the result is cached on disk per machine, device
@@ -155,13 +155,13 @@ def _measure_link(group: dist.ProcessGroup | None, device: torch.device) -> dict
     received = ring_exchange(sent, after, before, name, 3)
     busy = _median_seconds(lambda: a @ b, device, repeats=3)
     torch.ops.commfuse.wait_exchange(received, sent)
-    # A ring step beside a matmul that outlasts it: start a small exchange, the matmul, wait.
-    # What that adds to the matmul alone is the step's cost no overlap hides.
+    # A ring step beside a matmul: start a small exchange, the matmul, wait. What that adds to
+    # the longer of the two alone is the step's cost no overlap hides.
     small = torch.zeros(SMALL_BYTES // 4, device=device)
-    left, right, matmul_alone = a, b, alone
-    if device.type == "cuda":  # (a few ms, as on the CPU)
-        left = right = torch.randn(4096, 4096, device=device)
-        matmul_alone = _median_seconds(lambda: left @ right, device)
+    left, right = (a, b) if device.type == "cpu" else (torch.randn(4096, 4096, device=device),) * 2  # (a few ms)
+    # Both timed with every rank starting together: ranks sharing cores (more ranks than
+    # cores, as on a small CPU host) slow each other's matmuls alike in both.
+    matmul_alone = _median_seconds(lambda: left @ right, device, repeats=11, barrier=group)
 
     def step() -> None:
         got = ring_exchange(small, after, before, name, 4)
@@ -175,7 +175,8 @@ def _measure_link(group: dist.ProcessGroup | None, device: torch.device) -> dict
         "link_bandwidth": bandwidth,
         "duplex": float(duplex),
         "overlap_slowdown": max(busy / alone, 1.0),
-        "step_overhead": max(beside - matmul_alone, 0.0),
+        # (a link slower than the matmul leaves its latency exposed too: that is not the host's)
+        "step_overhead": max(beside - max(matmul_alone, latency), 0.0),
     }
 
 

@@ -115,13 +115,20 @@ def _slicing(t: Timeline, work: Workload, profile: HardwareProfile, k: int) -> N
     slow = profile.overlap_slowdown
     comm = collective_seconds(work, profile, work.chunk_bytes / k)
     compute = compute_seconds(work, profile, k, slow)
+
+    def messages(s: int) -> None:  # a sliced collective beside compute: N - 1 messages' host share
+        for step in range(work.group_size - 1):
+            step_cost(t, profile, f"[{s}.{step}]")
+
     if work.kind == "all_gather_matmul":
         gathers = [t.add(f"all_gather[{s}]", COLLECTIVE, comm) for s in range(k)]  # all issued up front
         for s in range(k):
+            messages(s)
             t.add(f"matmul[{s}]", COMPUTE, compute, (gathers[s],))
     else:
         for s in range(k):
             t.add(f"reduce_scatter[{s}]", COLLECTIVE, comm, (t.add(f"matmul[{s}]", COMPUTE, compute),))
+            messages(s)
 
 
 def _ring(t: Timeline, work: Workload, profile: HardwareProfile, m: int) -> None:

@@ -43,8 +43,8 @@ class HardwareProfile:
             transfers themselves run at the link's rate (a link, not the compute, bounds them).
         step_overhead: seconds each point-to-point step takes from the compute beside it,
             which no overlap hides: issuing and finishing the transfer (0: none assumed;
-            where ``auto`` measures, a matmul with a small exchange in flight minus the matmul
-            alone).
+            where ``auto`` measures, a matmul with a small exchange in flight minus the longer
+            of the two alone).
     """
 
     name: str

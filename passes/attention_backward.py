@@ -37,11 +37,10 @@ import dataclasses
 import operator
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .attention import arguments, call
-from .graph_utils import Emitter, aten, fake, same_size
+from .graph_utils import Emitter, aten, fake, same_size, sum_in_fp32
 
 CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 ATTENTION_BACKWARD = frozenset({CPU_FLASH_BACKWARD})
@@ -145,11 +144,4 @@ def assembled_gradient(emit: Emitter, blocks: list[BlockGradients], index: int) 
     if index == DQ:
         return emit(aten.cat.default, [b.dq for b in blocks], 2)
     parts = [b.output(index) for b in blocks]
-    dtype = fake(parts[0]).dtype
-    convert = torch.ops.prims.convert_element_type.default
-    if dtype != torch.float32:
-        parts = [emit(convert, part, torch.float32) for part in parts]
-    total = parts[0]
-    for part in parts[1:]:
-        total = emit(aten.add.Tensor, total, part)
-    return total if dtype == torch.float32 else emit(convert, total, dtype)
+    return sum_in_fp32(emit, parts, fake(parts[0]).dtype)

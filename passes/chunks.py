@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from math import prod
 
-import torch
 import torch.fx as fx
 
 from commfuse_compile.piece import CONTIGUOUS
 
-from .graph_utils import ADDMM, DTYPE_VIEW, MM, SCALED_MM, Emitter, aten, divides, fake, right_operand, same_shape
+from .graph_utils import ADDMM, DTYPE_VIEW, MM, SCALED_MM, Emitter, aten, divides, fake, right_operand, same_shape, sum_in_fp32
 from .site import Consumer, Site
 
 
@@ -112,17 +111,8 @@ def assemble(emit: Emitter, consumer: Consumer, pieces: list[fx.Node], d: int) -
     """The consumer's full result from its per-piece results: concatenated in piece order, or,
     for the contraction role, partial products summed in the order given."""
     if consumer.role == "contraction":
-        # One matmul would accumulate the whole contraction in fp32 and round once; summing
-        # rounded low-precision partials would lose that, so sum them in fp32.
-        dtype = fake(consumer.mm).dtype
-        wide = dtype in (torch.bfloat16, torch.float16)
-        to = torch.ops.prims.convert_element_type.default
-        parts = [emit(to, p, torch.float32) if wide else p for p in pieces]
-        if consumer.mm.target is ADDMM:  # the bias, once
-            bias = consumer.mm.args[0]
-            parts.append(emit(to, bias, torch.float32) if wide else bias)
-        total = sum_nodes(emit, parts)
-        return emit(to, total, dtype) if wide else total
+        bias = [consumer.mm.args[0]] if consumer.mm.target is ADDMM else []  # (the bias, once)
+        return sum_in_fp32(emit, [*pieces, *bias], fake(consumer.mm).dtype)
     y = emit(aten.cat.default, pieces, output_axis(consumer, d))
     return y if d == 0 else emit(aten.reshape.default, y, list(fake(consumer.mm).shape))
 
@@ -146,13 +136,6 @@ def as_rows(emit: Emitter, chunk: fx.Node, width: int) -> fx.Node:
         return chunk
     return emit(aten.reshape.default, chunk, [-1, width])
 
-
-def sum_nodes(emit: Emitter, nodes: list[fx.Node]) -> fx.Node:
-    """``nodes[0] + nodes[1] + ...``, added in that order."""
-    total = nodes[0]
-    for node in nodes[1:]:
-        total = emit(aten.add.Tensor, total, node)
-    return total
 
 
 def accumulate(emit: Emitter, total: fx.Node | None, product: fx.Node) -> fx.Node:

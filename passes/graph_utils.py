@@ -321,3 +321,16 @@ def erase_if_unused(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
     for node in nodes:
         if node is not None and not node.users:
             graph.erase_node(node)
+
+
+def sum_in_fp32(emit: Emitter, parts: list[fx.Node], dtype: torch.dtype) -> fx.Node:
+    """``parts[0] + parts[1] + ...`` in that order. Low-precision parts are summed in fp32 and
+    the sum rounded to ``dtype`` once: the one op they stand for (a matmul, attention's
+    backward) accumulates in fp32 and rounds once, and summing rounded partials would lose that."""
+    wide = dtype in (torch.bfloat16, torch.float16)
+    to = torch.ops.prims.convert_element_type.default
+    total = None
+    for part in parts:
+        part = emit(to, part, torch.float32) if wide and fake(part).dtype != torch.float32 else part
+        total = part if total is None else emit(aten.add.Tensor, total, part)
+    return emit(to, total, dtype) if wide else total

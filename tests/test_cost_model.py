@@ -84,8 +84,9 @@ def test_moe_pipeline_exposes_only_the_last_combine_step():
 def test_step_overhead_takes_compute_time_at_every_step():
     """The host's share of a ring step is on the compute lane: three sending steps of the
     all-gather ring add 3 × 50 ms to its 0.8 s of (hidden-transfer) matmuls; the all-to-all's
-    three pairwise steps add the same. A tiny matmul the ring would win on (vanilla 15 ms +
-    8 µs) is then left to the plain collective."""
+    three pairwise steps add the same, and each of slicing's collectives its N - 1 messages'.
+    A tiny matmul the ring would win on (vanilla 15 ms + 8 µs) is then left to the plain
+    collective."""
     import dataclasses
 
     from commfuse_compile.passes.all_to_all import timelines
@@ -94,6 +95,9 @@ def test_step_overhead_takes_compute_time_at_every_step():
     assert estimate(work(), costly, "ring", 1).seconds == pytest.approx(0.8 + 3 * 0.05)
     a2a = Workload("all_to_all", 4, (Matmul(400, 1000, 1000), Matmul(400, 1000, 1000)), 4_000_000, torch.float32, before=1, timelines=timelines)
     assert estimate(a2a, costly, "ring").seconds == pytest.approx(estimate(a2a, ROUND, "ring").seconds + 3 * 0.05)
+    # Slicing's K sliced collectives run beside compute too: N - 1 messages each (the first
+    # slice's 9 ms gather now runs while the compute lane pays for them).
+    assert estimate(work(), costly, "slicing", 2).seconds == pytest.approx(0.8 + 2 * 3 * 0.05)
     tiny = work(rows=2, k=2, cols=1000)
     assert choose([estimate(tiny, ROUND, "ring", 1)], estimate(tiny, ROUND, "vanilla"), 1.0) is not None
     assert choose([estimate(tiny, costly, "ring", 1)], estimate(tiny, costly, "vanilla"), 1.0) is None
