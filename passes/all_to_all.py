@@ -332,10 +332,10 @@ ATTENTION_PRODUCTS = {**dict.fromkeys(ATTENTION, 2), **dict.fromkeys(ATTENTION_B
 def _attention_matmul(node: fx.Node) -> Matmul:
     """One product of attention per head as one matmul: rows are query rows of every batch and
     head, the keys seen are halved when causal (on average a query row sees half of them)."""
-    batch, heads, queries, depth = hinted_shape(node.args[1] if node.target in ATTENTION_BACKWARD else node.args[0])
-    keys = hinted_shape(node.args[2] if node.target in ATTENTION_BACKWARD else node.args[1])[2]
-    causal = arguments(node.target, node.args, node.kwargs)["is_causal"]
-    return Matmul(batch * heads * queries, depth, max(keys // 2 if causal else keys, 1), "m")
+    named = arguments(node.target, node.args, node.kwargs)  # (the forward and backward ops name them alike)
+    batch, heads, queries, depth = hinted_shape(named["query"])
+    keys = hinted_shape(named["key"])[2]
+    return Matmul(batch * heads * queries, depth, max(keys // 2 if named["is_causal"] else keys, 1), "m")
 
 
 def _matmul(node: fx.Node, rows_at_balance: int) -> Matmul:
