@@ -142,13 +142,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # --- the run ---------------------------------------------------------------------------------
 
 
+def _given_sizes(text: str) -> dict[str, int]:
+    """``--sizes S=832,H=512`` as a dict; a clear error for anything else."""
+    sizes = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if not key or not value.strip().isdigit():
+            raise SystemExit(f"--sizes: {item!r} is not NAME=INTEGER (e.g. --sizes S=832,H=512,F=12960)")
+        sizes[key.strip()] = int(value)
+    return sizes
+
+
 def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
     """Size the model, run every variant on fresh ranks, and assemble the results."""
     n, workload = args.world_size, WORKLOADS[args.model]
     if args.quick:
         sizes = workload.quick_sizes(n)
     elif args.sizes:
-        sizes = {key: int(value) for key, value in (item.split("=") for item in args.sizes.split(","))}
+        sizes = _given_sizes(args.sizes)
     else:
         progress("measuring the single-thread matmul rate")
         # Unshaped: size as if shaped at the rate asked for (the output says it is not shaped).

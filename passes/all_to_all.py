@@ -23,7 +23,9 @@ result. Ops row-local in dim 0 next to it are computed block by block (:mod:`.re
 it (the expert FFN on the tokens received from rank j in an MoE dispatch, the layout ops and
 projections of Ulysses), each block as it arrives; *before* it (the expert output sent back in
 an MoE combine, query-split attention before Ulysses' second all-to-all), each outgoing block
-just before its step.
+just before its step. After it, a matmul reading the result by column blocks (Ulysses'
+projections of a head group's columns: a cut along the contracted dim) is computed as partial
+products, block j of the result times the weight's rows of block j, summed after the ring.
 
 The cost model times (:func:`AllToAll.workload`): the matmuls of both sides (attention and its
 backward as the matmuls of their FLOPs), cut into N blocks,
@@ -71,7 +73,7 @@ from .layout import SYM_SIZE, single_wait
 from .pattern import Pattern
 from .pieces import Pieces, cut
 from .regions import Region, backward_region, forward_region
-from .rowlocal import Blocks
+from .rowlocal import PARTIAL_SUM, Blocks
 from .site import RingStep, Site
 
 ALL_TO_ALL = c10d.all_to_all_single.default
@@ -131,7 +133,7 @@ class AllToAll(Pattern):
         the result's row counts, cut into N equal blocks), as every rank assumes alike."""
         before, after = regions(site, site.group_size, set())
         rows = _rows_at_balance(site)
-        sides = [[mm for n in (r.computed if r else ()) for mm in _matmuls(n, rows)] for r in (before, after)]
+        sides = [[mm for n in (r.computed if r else ()) for mm in _matmuls(n, rows, r.axis[n])] for r in (before, after)]
         x = fake(site.collective.args[0])
         block = rows * math.prod(hinted(size) for size in x.shape[1:]) * x.element_size() // site.group_size
         dtype = x.dtype
@@ -264,7 +266,7 @@ def regions(site: Site, count: int, reserved: set[fx.Node]) -> tuple[Region | No
     x = site.collective.args[0]
     sent, received = site.blocks or (None, None)
     before = backward_region({x: 0}, count, reserved, [], site.notes, sent)
-    after = forward_region(site, {site.wait: 0}, count, reserved, blocks=received)
+    after = forward_region(site, {site.wait: 0}, count, reserved, blocks=received, sums=True)
     return before, after
 
 
@@ -314,11 +316,12 @@ def _own(site: Site) -> set[fx.Node]:
     return {site.collective, site.wait}
 
 
-def _matmuls(node: fx.Node, rows_at_balance: int) -> list[Matmul]:
-    """The matmuls of a region node the cost model times: a matmul itself; attention (and its
-    backward) cut by query rows as the matmuls of its FLOPs."""
+def _matmuls(node: fx.Node, rows_at_balance: int, axis: int) -> list[Matmul]:
+    """The matmuls of a region node the cost model times: a matmul itself (cut by rows or
+    columns, or contracting over the cut: ``PARTIAL_SUM``); attention (and its backward) cut
+    by query rows as the matmuls of its FLOPs."""
     if node.target in MATMULS:
-        return [_matmul(node, rows_at_balance)]
+        return [_matmul(node, rows_at_balance, "k" if axis == PARTIAL_SUM else "m")]
     if (products := ATTENTION_PRODUCTS.get(node.target)) is not None:
         return [_attention_matmul(node)] * products
     return []
@@ -338,7 +341,7 @@ def _attention_matmul(node: fx.Node) -> Matmul:
     return Matmul(batch * heads * queries, depth, max(keys // 2 if named["is_causal"] else keys, 1), "m")
 
 
-def _matmul(node: fx.Node, rows_at_balance: int) -> Matmul:
+def _matmul(node: fx.Node, rows_at_balance: int, split: str) -> Matmul:
     rows, cols = fake(node).shape
     rows = rows if isinstance(rows, int) else rows_at_balance  # (cut by the run-time splits)
-    return Matmul(rows, hinted_shape(left_operand(node))[-1], hinted(cols), "m")
+    return Matmul(rows, hinted_shape(left_operand(node))[-1], hinted(cols), split)

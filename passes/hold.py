@@ -15,15 +15,25 @@ After::
     received = ring_exchange(sent, to, from, group, tag);  ...compute...;  x = wait_exchange(received, sent)
 
 The ring steps' ``wait`` follow (ordering pins them after their compute next).
+
+A sent tensor that is a view of a value Inductor computes in a kernel of its own (a reshape of
+a layout ``clone``, say) is first made a tensor with ``commfuse.contiguous``: Inductor hands
+each extern call such a view as a copy of its own, so the start would send one copy and the
+wait hold another, and the copy on the wire would be free to reuse. Measured: the Ulysses
+output projection's partial products landed in the buffer of the block still being sent.
+``contiguous`` is one ATen copy, read by both calls (Inductor made that copy anyway, twice).
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from commfuse_compile.p2p import WAIT_EXCHANGE
+from commfuse_compile.piece import CONTIGUOUS, PIECE
 
-from .graph_utils import WAIT, ring_exchange_op
+from .graph_utils import MATMULS, RESHAPES, WAIT, Emitter, aten, ring_exchange_op
 from .site import Site
 
 
@@ -36,6 +46,8 @@ def hold_sent_tensors(graph: fx.Graph, sites: list[Site]) -> int:
             if wait._erased or wait.target is not WAIT or wait.args[0].target is not ring_exchange_op():
                 continue
             start = wait.args[0]
+            if _copied_per_reader(start.args[0]):
+                start.update_arg(0, Emitter(graph, start)(CONTIGUOUS, start.args[0]))
             with graph.inserting_before(wait):
                 hold = graph.call_function(WAIT_EXCHANGE, (start, start.args[0]))
             hold.meta = wait.meta
@@ -48,3 +60,24 @@ def hold_sent_tensors(graph: fx.Graph, sites: list[Site]) -> int:
         site.region = [renamed.get(name, name) for name in site.region]
         count += len(held)
     return count
+
+
+_VIEWS = {*RESHAPES, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
+# Ops whose results Inductor keeps as the extern call's own tensor: a view of one is passed on
+# as a view of that buffer, no copy.
+_OWN_TENSORS = {*MATMULS, PIECE, CONTIGUOUS, WAIT, WAIT_EXCHANGE, operator.getitem}
+
+
+def _copied_per_reader(sent: fx.Node) -> bool:
+    """Whether ``sent`` is a view of a value computed in an Inductor kernel (which Inductor
+    may copy once for every extern call reading the view)."""
+    if sent.op != "call_function" or sent.target not in _VIEWS:
+        return False
+    base = sent
+    while base.op == "call_function" and base.target in _VIEWS:
+        base = base.args[0]
+    return base.op == "call_function" and base.target not in _OWN_TENSORS and not _is_collective(base)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) in ("_c10d_functional", "commfuse")

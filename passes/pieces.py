@@ -8,9 +8,9 @@ import torch.fx as fx
 
 from .attention import LOGSUMEXP, OUT, Merged, assembled_logsumexp, is_attention, query_split
 from .attention_backward import BlockGradients, assembled_gradient, is_attention_backward, query_block_backward
-from .graph_utils import RESHAPES, Emitter, aten, fake, same_size
+from .graph_utils import ADDMM, MM, RESHAPES, Emitter, aten, fake, same_size, sum_in_fp32
 from .regions import Region
-from .rowlocal import Blocks, input_axes
+from .rowlocal import PARTIAL_SUM, Blocks, input_axes
 
 
 def cut(emit: Emitter, node: fx.Node, axis: int, q: int, count: int, blocks: Blocks | None = None) -> fx.Node:
@@ -74,6 +74,9 @@ class Pieces:
     def _whole(self, emit: Emitter, node: fx.Node) -> fx.Node:
         parts = [self.value(emit, node, q) for q in range(self.region.count)]
         axis = self.region.axis[node]
+        if axis == PARTIAL_SUM:  # partial products: their sum (an addmm's bias once)
+            bias = [node.args[0]] if node.target is ADDMM else []
+            return sum_in_fp32(emit, [*parts, *bias], fake(node).dtype)
         if node.target is operator.getitem and is_attention(node.args[0]):
             if node.args[1] == LOGSUMEXP:
                 return assembled_logsumexp(emit, node, parts, axis)
@@ -98,6 +101,8 @@ class Pieces:
             return arg if axes[arg] is None else self.piece(emit, arg, axes[arg], q)
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), piece_of)
+        if along == PARTIAL_SUM:  # this piece's product (an addmm's bias is added to the sum)
+            return emit(MM, *args[-2:])
         if node.target in RESHAPES or node.target is aten.expand.default:  # to the piece's shape
             shape = list(fake(node).shape)
             # (a block of run-time size: the reshape's one -1)

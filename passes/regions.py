@@ -18,8 +18,8 @@ import torch.fx as fx
 
 from .attention import attention_refusal, is_attention
 from .attention_backward import ATTENTION_BACKWARD, backward_refusal, is_any_attention_backward, is_attention_backward
-from .graph_utils import WAIT
-from .rowlocal import VIEWS, Blocks, axes_of, input_axes
+from .graph_utils import ADDMM, MM, WAIT
+from .rowlocal import PARTIAL_SUM, VIEWS, Blocks, axes_of, input_axes
 from .site import Site
 
 
@@ -52,11 +52,14 @@ def forward_region(
     stop_at: frozenset = frozenset(),
     trim: bool = True,
     blocks: Blocks | None = None,
+    sums: bool = False,
 ) -> Region | None:
     """The row-local ops after a Flash-AG site's matmuls (``given``: their outputs, with the
     axis their pieces are cut along), or None if there is nothing to compute there. Ops whose
     target is in ``stop_at`` are not entered; ``trim=False`` keeps every node reached;
-    ``blocks``: pieces of run-time sizes instead of ``count`` equal ones."""
+    ``blocks``: pieces of run-time sizes instead of ``count`` equal ones; ``sums``: a matmul
+    contracting over the cut is computed as partial products too (``PARTIAL_SUM``: summed after
+    the ring; nothing in the region reads it)."""
     after_ring = _AfterWaits(site.wait)
     axis = dict(given)
     # The users of the region so far, in graph order: a node is looked at once all its inputs
@@ -69,7 +72,7 @@ def forward_region(
         if node in axis or node in reserved or node.op != "call_function" or node.target in stop_at:
             continue
         inputs = node.all_input_nodes
-        for candidate in axes_of(node):
+        for candidate in (*axes_of(node), *([PARTIAL_SUM] if sums and node.target in (MM, ADDMM) else [])):
             cut = input_axes(node, candidate, count, blocks)
             if cut is not None and all(cut[i] == axis[i] if i in axis else not after_ring(i) for i in inputs):
                 axis[node] = candidate

@@ -27,6 +27,10 @@ from .graph_utils import ADDMM, MM, RESHAPES, aten, divides, fake, same_size
 
 REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 
+# The "axis" of a matmul contracting over the cut (its left operand cut by columns, its right
+# by rows): each piece is a partial product, the whole is their sum.
+PARTIAL_SUM = -1
+
 SQUEEZES = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 VIEWS = {*RESHAPES, *SQUEEZES, aten.permute.default, aten.unsqueeze.default, aten.expand.default, operator.getitem}
 
@@ -75,6 +79,8 @@ def _cut_size_ok(size: Any, blocks: Blocks | None) -> bool:
 
 
 def _input_axes(node: fx.Node, axis: int, count: int, blocks: Blocks | None) -> dict[fx.Node, int | None] | None:
+    if axis == PARTIAL_SUM:
+        return _contraction_axes(node, count) if blocks is None else None
     if node.target is operator.getitem and is_attention(node.args[0]):  # (also its per-call outputs)
         return None if blocks is not None else {node.args[0]: axis}
     if node.target is operator.getitem and is_attention_backward(node.args[0]):  # dK, dV: summed, not cut
@@ -176,6 +182,18 @@ def _matmul_axes(node: fx.Node, axis: int) -> dict[fx.Node, int | None] | None:
         cut = along >= 0 and same_size(bias_shape[along], size) and statically_known_true(size > 1)
         axes[bias] = along if cut else None
     return axes
+
+
+def _contraction_axes(node: fx.Node, count: int) -> dict[fx.Node, int | None] | None:
+    """``mm(A, B)`` (or ``addmm``, its bias added once to the sum) as partial products: A cut
+    by columns, B by rows (the cut runs along the contracted dim)."""
+    if node.target not in (MM, ADDMM) or node.kwargs:  # (an addmm's beta / alpha: not here)
+        return None
+    bias, a, b = node.args if node.target is ADDMM else (None, *node.args)
+    if a is b or bias in (a, b) or not cuttable(fake(a).shape[1], count):
+        return None
+    return {a: 1, b: 0, **({bias: None} if isinstance(bias, fx.Node) else {})}
+
 
 def _broadcast_axes(shape: torch.Size, inputs: list[fx.Node], axis: int) -> dict[fx.Node, int | None] | None:
     axes: dict[fx.Node, int | None] = {}

@@ -436,6 +436,36 @@ _WAIT = re.compile(r"torch\.ops\.commfuse\.wait_exchange\.default\((buf\d+), ")
 _MM = re.compile(r"extern_kernels\.(mm|addmm)\(")
 
 
+_SENT = re.compile(r"ring_exchange\.default\((?:reinterpret_tensor\()?(\w+)")
+_HELD = re.compile(r"wait_exchange\.default\((buf\d+), (?:reinterpret_tensor\()?(\w+)")
+_REUSE = re.compile(r"del (buf\d+)  # reuse")
+
+
+def unheld_sends(code: str) -> list[str]:
+    """Ring transfers in ``code`` whose sent buffer is not the one their wait holds, or whose
+    memory Inductor gives to another buffer before the wait (either lets a result overwrite a
+    block still on the wire). Buffers are followed through ``bufB = bufA`` aliases."""
+    origin: dict[str, str] = {}
+    sending: dict[str, tuple[int, str]] = {}  # received buffer -> (line of its start, sent buffer)
+    problems = []
+
+    def name(buf: str) -> str:
+        return origin.get(buf, buf)
+
+    for i, line in enumerate(code.splitlines()):
+        if m := _START.match(line):
+            sending[m.group(1)] = (i, name(_SENT.search(line).group(1)))
+        elif m := _ALIAS.match(line):
+            origin[m.group(1)] = name(m.group(2))
+        elif m := _HELD.search(line):
+            start, sent = sending.pop(name(m.group(1)), (None, None))
+            if sent is not None and name(m.group(2)) != sent:
+                problems.append(f"line {i}: the wait holds {name(m.group(2))}, the start (line {start}) sent {sent}")
+        if m := _REUSE.search(line):
+            problems += [f"line {i}: {m.group(1)} reused while it is sent" for _, sent in sending.values() if sent == name(m.group(1))]
+    return problems
+
+
 def ring_events(code: str) -> list[tuple[int, int, int]]:
     """For every ring transfer in ``code``: (line of its start, matmuls between start and wait,
     line of its wait). Buffers are followed through Inductor's ``bufB = bufA`` aliases."""

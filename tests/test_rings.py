@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from programs import DTYPES, TOLERANCES, check_against_eager, check_batch_sizes, generated_code, ring_events
+from programs import DTYPES, TOLERANCES, check_against_eager, check_batch_sizes, generated_code, ring_events, unheld_sends
 
 import commfuse_compile  # noqa: F401  (registers torch.ops.commfuse in the ranks too)
 from commfuse_compile._compat import work_registry_size
@@ -196,6 +196,18 @@ def test_generated_code_runs_start_mm_wait(ranks):
             assert len(events) == 2 * (world - 1), code
             for start, mms, wait in events:
                 assert start < wait and mms >= 1, (start, mms, wait)
+
+
+@pytest.mark.parametrize("program", ["ulysses", "spmd_layout"])
+def test_every_sent_block_is_held_until_its_wait(ranks, program):
+    """The start sends, and the wait holds, one buffer, and Inductor reuses none while it is
+    on the wire. Both programs send views of layout copies, which Inductor made once per
+    reader before the hold stage copied them itself: the Ulysses ring then sent one copy, held
+    another, and wrote a matmul result into the first (wrong results, more often on the
+    second call)."""
+    for codes in ranks.run(generated_code, program):
+        for code in codes:
+            assert ring_events(code) and unheld_sends(code) == [], unheld_sends(code)
 
 
 def test_without_pinning_inductor_moves_waits_up(ranks):

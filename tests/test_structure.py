@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
-from graphs import CONTROL_DEPS, attention_calls, exchange_args, flash_ag_order, flash_rs_order, post_grad_graphs, query_split_calls, rewrite_as, ring_exchanges, sliced_chunk_order, unpinned
+from graphs import CONTROL_DEPS, attention_calls, exchange_args, flash_ag_order, flash_rs_order, is_cut, post_grad_graphs, query_split_calls, rewrite_as, ring_exchanges, sliced_chunk_order, unpinned
 
 import commfuse_compile
 from commfuse_compile.p2p import WAIT_EXCHANGE
@@ -718,6 +718,28 @@ def test_ulysses_backward_steps_compute_attention_backward_by_query_block(world)
             done |= calls
         everything = [n for n in rewritten.nodes if n.target is backward]
         assert attention_calls(everything) == query_split_calls(length, range(WORLD))
+
+
+def test_ulysses_projections_of_arriving_head_groups_are_partial_products(world):
+    """The matmuls reading an all-to-all's result by column blocks (a head group's columns:
+    the output projection after the forward's all-to-all back, dX of q, k and v after the
+    backward's three) contract over the blocks: a step multiplies the block that arrived by
+    the weight's matching rows, and the products are summed after the ring. Without a before
+    side every step has one (the own block first); with one (the all-to-all back, after
+    query-split attention) the first step has none and the last block's comes after the ring."""
+    import programs
+
+    inputs = programs.make_inputs("ulysses", 0, WORLD, torch.float32)
+    graphs = post_grad_graphs(programs.ulysses, *inputs)
+    for kind, indices in (("forward", [3]), ("backward", [1, 2, 3])):
+        _, sites, _ = rewrite_as(graphs[kind], 5, kind, pin_order=False)
+        for i in indices:
+            products = [[n for n in step.compute if n.target is torch.ops.aten.mm.default] for step in sites[i].steps]
+            counts = [len(p) for p in products]
+            assert counts == ([1] * (WORLD - 1) if kind == "backward" else [0] + [1] * (WORLD - 3) + [2]), (kind, i, counts, sites[i].notes)
+            for mm in (mm for p in products for mm in p):
+                a, b = mm.args
+                assert is_cut(b) and b.args[1] == 0 and a.meta["val"].shape[1] == b.meta["val"].shape[0], (kind, i, mm.args)
 
 
 def test_ulysses_backward_with_a_mask_is_computed_whole_with_the_reason(world):
