@@ -31,9 +31,10 @@ import operator
 import torch.fx as fx
 
 from commfuse_compile.p2p import WAIT_EXCHANGE
-from commfuse_compile.piece import CONTIGUOUS, PIECE
+from commfuse_compile.piece import CONTIGUOUS
 
-from .graph_utils import MATMULS, RESHAPES, WAIT, Emitter, aten, ring_exchange_op
+from .graph_utils import MATMULS, WAIT, Emitter, aten, ring_exchange_op
+from .rowlocal import VIEWS
 from .site import Site
 
 
@@ -62,10 +63,12 @@ def hold_sent_tensors(graph: fx.Graph, sites: list[Site]) -> int:
     return count
 
 
-_VIEWS = {*RESHAPES, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}
+# (getitem is not a view here: it picks an extern op's output, its own tensor)
+_VIEWS = (VIEWS - {operator.getitem}) | {aten.transpose.int, aten.t.default}
 # Ops whose results Inductor keeps as the extern call's own tensor: a view of one is passed on
-# as a view of that buffer, no copy.
-_OWN_TENSORS = {*MATMULS, PIECE, CONTIGUOUS, WAIT, WAIT_EXCHANGE, operator.getitem}
+# as a view of that buffer, no copy. (Collectives' and commfuse's own ops too: by namespace.)
+_OWN_TENSORS = {*MATMULS, operator.getitem}
+_OWN_NAMESPACES = ("_c10d_functional", "commfuse")
 
 
 def _copied_per_reader(sent: fx.Node) -> bool:
@@ -76,8 +79,4 @@ def _copied_per_reader(sent: fx.Node) -> bool:
     base = sent
     while base.op == "call_function" and base.target in _VIEWS:
         base = base.args[0]
-    return base.op == "call_function" and base.target not in _OWN_TENSORS and not _is_collective(base)
-
-
-def _is_collective(node: fx.Node) -> bool:
-    return getattr(node.target, "namespace", None) in ("_c10d_functional", "commfuse")
+    return base.op == "call_function" and base.target not in _OWN_TENSORS and getattr(base.target, "namespace", None) not in _OWN_NAMESPACES

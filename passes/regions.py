@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from .attention import attention_refusal, is_attention
 from .attention_backward import ATTENTION_BACKWARD, backward_refusal, is_any_attention_backward, is_attention_backward
-from .graph_utils import ADDMM, MM, WAIT
+from .graph_utils import WAIT
 from .rowlocal import PARTIAL_SUM, VIEWS, Blocks, axes_of, input_axes
 from .site import Site
 
@@ -72,7 +72,7 @@ def forward_region(
         if node in axis or node in reserved or node.op != "call_function" or node.target in stop_at:
             continue
         inputs = node.all_input_nodes
-        for candidate in (*axes_of(node), *([PARTIAL_SUM] if sums and node.target in (MM, ADDMM) else [])):
+        for candidate in (*axes_of(node), *([PARTIAL_SUM] if sums else [])):  # (PARTIAL_SUM: matmuls only)
             cut = input_axes(node, candidate, count, blocks)
             if cut is not None and all(cut[i] == axis[i] if i in axis else not after_ring(i) for i in inputs):
                 axis[node] = candidate
