@@ -211,6 +211,7 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str
         "compile_s": rank0["compile_s"],
         "sites": rank0["sites"],
         "collectives_per_step": rank0["collectives"],
+        "collectives_as_ring_steps": rank0["collectives_as_ring_steps"],
         "peer_checks": rank0["peer_checks"],
     }
 
@@ -313,6 +314,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
         "compile_s": compile_s,
         "sites": sites,
         "collectives": len(calls),
+        "collectives_as_ring_steps": sum(_ring_of(func, args) is not None for func, args, _ in calls),
         "peer_checks": {
             peer: _peer_check(codes[peer], codes["inductor"]) for peer in PEERS if peer in codes
         },
@@ -393,10 +395,15 @@ def _peer_check(peer: list[str], base: list[str]) -> dict[str, Any]:
 # --- communication alone ---------------------------------------------------------------------
 
 
+# c10d ops that move nothing (wait and barrier) or are no collective (the autograd wrapper
+# DTensor's functional all-reduce passes its result through).
+NOT_COLLECTIVES = ("wait", "barrier", "_wrap_tensor_autograd")
+
+
 def record_collectives(step: Callable[[], Any]) -> list[tuple[Any, tuple, dict]]:
     """The collectives one step issues, in order, each with buffers of its own of the same
     sizes (from one eager step under a dispatch mode: the compiled graphs were traced from that
-    code and hold the same collectives)."""
+    code and hold the same collectives; eager DTensor issues them as in-place ``c10d`` ops)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
 
@@ -408,7 +415,7 @@ def record_collectives(step: Callable[[], Any]) -> list[tuple[Any, tuple, dict]]
     class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
             kwargs = kwargs or {}
-            if func.namespace in ("_c10d_functional", "c10d") and "wait" not in func.__name__ and "barrier" not in func.__name__:
+            if func.namespace in ("_c10d_functional", "c10d") and not any(word in func.__name__ for word in NOT_COLLECTIVES):
                 calls.append((func, tree_map(fresh, args), tree_map(fresh, kwargs)))
             return func(*args, **kwargs)
 
@@ -420,27 +427,23 @@ def record_collectives(step: Callable[[], Any]) -> list[tuple[Any, tuple, dict]]
 def ring_transfers(calls: list[tuple[Any, tuple, dict]]) -> Callable[[], None]:
     """The recorded collectives' bytes moved as a ring moves them (commfuse's own transport,
     each rank sending to its successor in the group while receiving from its predecessor):
-    all-gather N−1 steps of a block, reduce-scatter N−1 steps of the output, all-reduce 2(N−1)
-    steps of 1/N: the volume a ring schedule moves, beside the replay of the library's own
-    collectives (the ideal takes the faster of the two); collectives of another kind are
-    replayed as they are."""
-    import torch.distributed as dist
-
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
+    all-gather N−1 steps of the input block, reduce-scatter N−1 steps of the output block,
+    all-reduce 2(N−1) steps of 1/N: the volume a ring schedule moves, beside the replay of the
+    library's own collectives (the ideal takes the faster of the two); collectives of another
+    kind are replayed as they are. Both spellings are read: the functional ops compiled graphs
+    and DTensor's eager all-reduces issue, and the in-place ``c10d`` ops (``_allgather_base_``,
+    ``_reduce_scatter_base_``, ``allreduce_``) that eager DTensor redistributes issue, which
+    take the output first and a process group object instead of a group name."""
     from commfuse_compile.p2p import ring_exchange
 
     steps: list[Callable[[], None]] = []
     for func, args, kwargs in calls:
-        name = func.__name__.split(".")[0]
-        group_name = next((a for a in reversed(args) if isinstance(a, str) and a not in ("sum", "avg", "max", "min")), None)
-        if func.namespace != "_c10d_functional" or group_name is None or name not in RING_STEPS:
+        ring = _ring_of(func, args)
+        if ring is None:
             steps.append(lambda call=(func, args, kwargs): replay([call]))
             continue
-        group = _resolve_process_group(group_name)
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
-        count, share = RING_STEPS[name](n)
-        block = torch.empty(max(int(args[0].numel() * share), 1), dtype=args[0].dtype)
+        count, elements, dtype, group_name, n, rank = ring
+        block = torch.empty(max(elements, 1), dtype=dtype)
 
         def exchange(block=block, count=count, n=n, rank=rank, group_name=group_name) -> None:
             for _ in range(count):
@@ -455,13 +458,54 @@ def ring_transfers(calls: list[tuple[Any, tuple, dict]]) -> Callable[[], None]:
     return transfer_all
 
 
-# Ring steps and the fraction of the input tensor each step moves, per collective, in a group of n.
-RING_STEPS: dict[str, Callable[[int], tuple[int, float]]] = {
-    "all_gather_into_tensor": lambda n: (n - 1, 1.0),
-    "all_gather_into_tensor_out": lambda n: (n - 1, 1.0),
-    "reduce_scatter_tensor": lambda n: (n - 1, 1.0 / n),
-    "all_reduce": lambda n: (2 * (n - 1), 1.0 / n),
-}  # (an all-to-all is replayed: gloo's is pairwise already, and its blocks differ per rank)
+def _ring_of(func: Any, args: tuple) -> tuple[int, int, torch.dtype, str, int, int] | None:
+    """(ring steps, elements per step, dtype, group name, group size, rank in it) for a recorded
+    all-gather, reduce-scatter or all-reduce; None for any other collective."""
+    import torch.distributed as dist
+
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name = func.__name__.split(".")[0]
+    if func.namespace == "_c10d_functional" and name in FUNCTIONAL_RINGS:
+        group_name = next((a for a in reversed(args) if isinstance(a, str) and a not in ("sum", "avg", "max", "min")), None)
+        if group_name is None:
+            return None
+        group = _resolve_process_group(group_name)
+        tensor, kind = args[0], FUNCTIONAL_RINGS[name]
+    elif func.namespace == "c10d" and name in C10D_RINGS:
+        kind, position = C10D_RINGS[name]
+        group = dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
+        group_name = group.group_name
+        tensor = args[position][0] if isinstance(args[position], list) else args[position]
+    else:
+        return None
+    n, rank = group.size(), group.rank()
+    # tensor: the gathered block, the scattered output block, or the whole tensor reduced
+    count, elements = {
+        "all_gather": (n - 1, tensor.numel()),
+        "reduce_scatter": (n - 1, tensor.numel()),
+        "reduce_scatter_whole": (n - 1, tensor.numel() // n),
+        "all_reduce": (2 * (n - 1), tensor.numel() // n),
+    }[kind]
+    return count, elements, tensor.dtype, group_name, n, rank
+
+
+# Each functional collective's ring kind; its first argument is the input (a reduce-scatter's
+# whole tensor: each step moves 1/N of it).
+FUNCTIONAL_RINGS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_reduce": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter_whole",
+}
+# Each in-place c10d collective's ring kind and which argument holds the block the kind reads
+# (the all-gather's input, the reduce-scatter's output, the all-reduce's tensor list).
+C10D_RINGS = {
+    "_allgather_base_": ("all_gather", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 0),
+    "allreduce_": ("all_reduce", 0),
+}
+# (an all-to-all is replayed: gloo's is pairwise already, and its blocks differ per rank)
 
 
 def replay(calls: list[tuple[Any, tuple, dict]]) -> None:

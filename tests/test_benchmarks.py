@@ -74,6 +74,9 @@ def test_model_step_smoke(tmp_path):
     assert sum(site["action"] == "rewritten" for site in results["sites"]["ring"]) == 8, results["sites"]["ring"]
     # The step's collectives were recorded and replayed; compute alone ran on the fake group.
     assert results["collectives_per_step"] > 8 and at["comm_ms"] > 0 and results["compute_ms"] > 0
+    # Every recorded collective (eager DTensor's in-place c10d gathers and scatters, the loss's
+    # functional all-reduces) is moved as ring steps in comm-ring, none merely replayed.
+    assert results["collectives_as_ring_steps"] == results["collectives_per_step"], results
     assert at["ideal_ms"] == max(results["compute_ms"], min(at["comm_ms"], at["comm_ring_ms"]))
     check = results["peer_checks"]["inductor-overlap"]
     assert check["graphs"] >= 2 and isinstance(check["changed"], bool), check
