@@ -212,6 +212,7 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str
         "sites": rank0["sites"],
         "collectives_per_step": rank0["collectives"],
         "collectives_as_ring_steps": rank0["collectives_as_ring_steps"],
+        "measured_profiles": rank0["measured_profiles"],
         "peer_checks": rank0["peer_checks"],
     }
 
@@ -265,6 +266,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     import commfuse_compile
+    from commfuse_compile import calibrate
 
     rank = dist.get_rank()
     # Every variant compiles each block's forward and the loss once more: more entries per
@@ -315,6 +317,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
         "sites": sites,
         "collectives": len(calls),
         "collectives_as_ring_steps": sum(_ring_of(func, args) is not None for func, args, _ in calls),
+        # (what ``auto`` measured at its first compile and planned with)
+        "measured_profiles": [calibrate.as_option(profile) for profile in calibrate._measured.values()],
         "peer_checks": {
             peer: _peer_check(codes[peer], codes["inductor"]) for peer in PEERS if peer in codes
         },

@@ -21,10 +21,12 @@ inside a larger job) plan with it too:
   what a small exchange started before a matmul and waited for after it adds to the longer of
   the two alone (``step_overhead``: the host's share of a message, which no overlap hides).
 
-The ranks then agree by one reduction (rates: the slowest rank's; costs: the largest), so
-every rank plans with the same numbers, and the result is cached on disk per machine, device
-and group layout (:func:`cache_path`) and reused by later runs, which then only agree on it.
-The measurement costs a second or two on a 1 Gbit/s link (thirteen 4 MB exchanges), more on a
+The ranks then agree by one all-gather of their numbers, each rank reducing them alike (rates:
+the slowest rank's; costs: the largest; the two figures timed beside a transfer, the ranks'
+median: see :data:`TYPICAL`), so every rank plans with the same numbers, and the result is
+cached on disk per machine, device, group layout and measuring method (:func:`cache_path`)
+and reused by later runs, which then only agree on it.
+The measurement costs a second or two on a 1 Gbit/s link (fifteen 4 MB exchanges), more on a
 slower one; the logger reports it.
 ``python -m commfuse_compile calibrate`` measures ahead of time. A ``profile`` option still
 wins; the fake process group and ``explain`` use the device's named profile.
@@ -51,10 +53,17 @@ from .profiles import HardwareProfile
 
 log = logging.getLogger("commfuse_compile")
 
-# The fields measured, in the order of the agreeing reduction; rates are reduced with their
-# minimum, costs with their maximum (as the minimum of their negation).
+# The fields measured, in the order of the agreeing all-gather. A ring runs at its slowest
+# rank's pace, so rates are agreed as their minimum and costs as their maximum. The figures
+# timed beside a transfer are agreed as the ranks' median: each comes from a window of a few
+# matmuls, in which, where ranks share cores, one rank's share of the CPU swings twofold from
+# window to window (per-rank slowdowns 0.6–2.5 on 4 ranks over 2 cores); a step's compute spans
+# many windows and sees the typical share, and the largest of four such draws would price every
+# ring step as the worst window (a slowdown of 2.1 where the ring ran 2× faster than Inductor).
 RATES = ("flops_32bit", "flops_16bit", "link_bandwidth", "duplex")
-COSTS = ("half_efficiency_dim", "matmul_overhead", "link_latency", "collective_latency", "overlap_slowdown", "step_overhead")
+COSTS = ("half_efficiency_dim", "matmul_overhead", "link_latency", "collective_latency")
+TYPICAL = ("overlap_slowdown", "step_overhead")
+METHOD = 2  # raised when what is measured, or how, changes (part of the cache key)
 SMALL_BYTES, LARGE_BYTES = 4, 4 << 20
 _measured: dict[str, HardwareProfile] = {}  # this process's profiles, by cache key
 
@@ -74,7 +83,7 @@ def measured_profile(group: dist.ProcessGroup | None = None) -> HardwareProfile 
 def _agreed(group: dist.ProcessGroup | None, key: str) -> HardwareProfile:
     """The cached profile where every rank has one, else a fresh measurement; agreed by all."""
     cached = _load(key)
-    everyone_cached = torch.tensor([1.0 if cached else 0.0])
+    everyone_cached = torch.tensor([1.0 if cached else 0.0], device=_device())  # (nccl: on the GPU)
     dist.all_reduce(everyone_cached, op=dist.ReduceOp.MIN, group=group)
     started = time.perf_counter()
     if everyone_cached.item() and cached is not None:
@@ -93,17 +102,20 @@ def measure(group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """This rank's measurements (every rank of ``group`` must call it: the link is timed
     between ring neighbours). The fields of :class:`HardwareProfile` that ``auto`` depends on."""
     device = _device()
-    values = _measure_matmuls(device)
+    values = _measure_matmuls(device, group)
     values.update(_measure_link(group, device))
     return values
 
 
-def _measure_matmuls(device: torch.device) -> dict[str, float]:
+def _measure_matmuls(device: torch.device, group: dist.ProcessGroup | None) -> dict[str, float]:
     big = 1024 if device.type == "cpu" else 4096
 
+    # Every rank starts each matmul together, as the ranks of a step compute together: where
+    # they share cores (more ranks than cores) the rate is the shared one, the rate a step's
+    # compute runs at, whichever schedule it has.
     def rate(m: int, k: int, n: int, dtype: torch.dtype) -> float:
         a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-        return 2 * m * k * n / _median_seconds(lambda: a @ b, device)
+        return 2 * m * k * n / _median_seconds(lambda: a @ b, device, barrier=group)
 
     peak32 = rate(big, big, big // 2, torch.float32)
     peak16 = rate(big, big, big // 2, torch.bfloat16)
@@ -114,7 +126,7 @@ def _measure_matmuls(device: torch.device) -> dict[str, float]:
         "flops_32bit": peak32,
         "flops_16bit": peak16,
         "half_efficiency_dim": max(statistics.median(thin), 1.0),
-        "matmul_overhead": _median_seconds(lambda: one @ one, device, repeats=51),
+        "matmul_overhead": _median_seconds(lambda: one @ one, device, repeats=51),  # (a fixed cost: alone)
     }
 
 
@@ -143,18 +155,31 @@ def _measure_link(group: dist.ProcessGroup | None, device: torch.device) -> dict
     # The library's own collective has its own fixed cost per step (the plain path auto
     # compares with): a tiny all-gather, per its N − 1 steps.
     tiny, gathered = torch.zeros(1, device=device), torch.zeros(n, device=device)
-    collective = _median_seconds(lambda: dist.all_gather_into_tensor(gathered, tiny, group=group), device, repeats=21, barrier=group) / (n - 1)
+    collective = _median_seconds(lambda: dist.all_gather_single(gathered, tiny, group=group), device, repeats=21, barrier=group) / (n - 1)
     large = _median_seconds(one_way(LARGE_BYTES), device, repeats=3, barrier=group)
     bandwidth = LARGE_BYTES / max(large - latency, 1e-9)
     duplex = _median_seconds(both_ways(LARGE_BYTES), device, repeats=3, barrier=group) <= 1.5 * large
-    # A matmul alone, then while the large exchange is in flight.
+    # Matmuls alone, then while the large exchange is in flight: as many as the exchange
+    # lasts (the same count on every rank), with every rank computing at once in both, so that
+    # ranks sharing cores slow each other alike and the ratio is the transfer's share alone.
     a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
-    alone = _median_seconds(lambda: a @ b, device)
+    count = _agreed_count(large / _median_seconds(lambda: a @ b, device, barrier=group), group)
     sent = torch.zeros(LARGE_BYTES // 4, device=device)
-    dist.barrier(group)
-    received = ring_exchange(sent, after, before, name, 3)
-    busy = _median_seconds(lambda: a @ b, device, repeats=3)
-    torch.ops.commfuse.wait_exchange(received, sent)
+
+    def matmuls() -> float:
+        started = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        return time.perf_counter() - started
+
+    alone = busy = 0.0
+    for _ in range(3):
+        dist.barrier(group)
+        alone += matmuls()
+        dist.barrier(group)
+        received = ring_exchange(sent, after, before, name, 3)
+        busy += matmuls()
+        torch.ops.commfuse.wait_exchange(received, sent)
     # A ring step beside a matmul: start a small exchange, the matmul, wait. What that adds to
     # the longer of the two alone is the step's cost no overlap hides.
     small = torch.zeros(SMALL_BYTES // 4, device=device)
@@ -180,6 +205,13 @@ def _measure_link(group: dist.ProcessGroup | None, device: torch.device) -> dict
     }
 
 
+def _agreed_count(count: float, group: dist.ProcessGroup | None) -> int:
+    """``count`` rounded into [1, 32], the smallest of the group's (every rank runs as many)."""
+    agreed = torch.tensor([min(max(int(count), 1), 32)], device=_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return int(agreed.item())
+
+
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, barrier: dist.ProcessGroup | None | bool = False) -> float:
     """Median wall time of ``fn`` after one warm-up call; with ``barrier`` (a group, or None
     for the world) the ranks start each call together."""
@@ -198,11 +230,22 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
 
 
 def _reduce(values: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
-    """The group's agreed values, by one MIN reduction: rates the slowest, costs the largest."""
-    vector = torch.tensor([values[k] for k in RATES] + [-values[k] for k in COSTS], dtype=torch.float64)
-    dist.all_reduce(vector, op=dist.ReduceOp.MIN, group=group)
-    agreed = dict(zip(RATES, vector[: len(RATES)].tolist()))
-    agreed.update(zip(COSTS, (-vector[len(RATES):]).tolist()))
+    """The group's agreed values, from one all-gather of every rank's, reduced alike on every
+    rank: rates the slowest, costs the largest, the figures timed beside a transfer the median."""
+    fields = RATES + COSTS + TYPICAL
+    mine = torch.tensor([float(values[k]) for k in fields], dtype=torch.float64, device=_device())
+    everyone = torch.empty(dist.get_world_size(group) * len(fields), dtype=torch.float64, device=mine.device)
+    dist.all_gather_single(everyone, mine, group=group)  # (all_gather_into_tensor is deprecated in torch 2.13)
+    return agree(everyone.view(-1, len(fields)).cpu())
+
+
+def agree(everyone: torch.Tensor) -> dict[str, float]:
+    """The agreed values of the ranks' rows (fields as in ``RATES + COSTS + TYPICAL``)."""
+    columns = dict(zip(RATES + COSTS + TYPICAL, everyone.T))
+    agreed = {k: columns[k].min().item() for k in RATES}
+    agreed.update({k: columns[k].max().item() for k in COSTS})
+    # (the mean of the middle two where the count is even: the same on every rank)
+    agreed.update({k: columns[k].sort().values[(len(everyone) - 1) // 2 : len(everyone) // 2 + 1].mean().item() for k in TYPICAL})
     return agreed
 
 
@@ -230,11 +273,12 @@ def _device() -> torch.device:
 
 
 def cache_key(group: dist.ProcessGroup | None = None) -> str:
-    """Machine, device, backend and group layout: what the measured numbers depend on."""
+    """Machine, device, backend and group layout: what the measured numbers depend on; and
+    how they were measured (``METHOD``: a profile measured another way is measured again)."""
     device = _device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    return f"{socket.gethostname()}|{name}|{dist.get_backend(group)}|ranks={ranks}|torch={torch.__version__}"
+    return f"{socket.gethostname()}|{name}|{dist.get_backend(group)}|ranks={ranks}|torch={torch.__version__}|method={METHOD}"
 
 
 def cache_path(key: str) -> pathlib.Path:
@@ -249,7 +293,7 @@ def _load(key: str) -> dict[str, float] | None:
         data = json.loads(cache_path(key).read_text())
     except (OSError, ValueError):
         return None
-    if data.get("key") != key or set(data.get("values", {})) != set(RATES + COSTS):
+    if data.get("key") != key or set(data.get("values", {})) != set(RATES + COSTS + TYPICAL):
         return None
     return data["values"]
 

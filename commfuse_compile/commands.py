@@ -87,7 +87,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .cost_model import Matmul, Workload, candidates, choose, estimate
+    from .cost_model import Matmul, Workload, bidirectional_pays, candidates, choose, estimate
     from .profiles import resolve_profile
     from .schedules import pieces_per_chunk
 
@@ -99,7 +99,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     work = Workload(args.pattern, args.group_size, (Matmul(args.M, args.K, args.N, "m"),), chunk_bytes, dtype)
     profile = resolve_profile(args.profile)
     vanilla = estimate(work, profile, "vanilla")
-    fits = [(s, m) for s, m in candidates("auto", None) if args.M % (args.group_size * pieces_per_chunk(s, m)) == 0]
+    fits = [(s, m) for s, m in candidates("auto", None, bidirectional_pays(profile, args.group_size)) if args.M % (args.group_size * pieces_per_chunk(s, m)) == 0]
     others = [estimate(work, profile, s, m) for s, m in fits]
     print(f"{args.pattern}: [{args.M}, {args.K}] @ [{args.K}, {args.N}] {args.dtype}, group of {args.group_size}, profile {profile.name}")
     print(f"{'schedule':<20}{'ms':>10}{'exposed comm ms':>17}{'vs vanilla':>12}")

@@ -177,12 +177,25 @@ DEFAULT_CHUNKS = {"ring": 1, "bidirectional": 1, "slicing": 4}
 AUTO_CHUNKS = {"ring": (1, 2, 4), "bidirectional": (1, 2), "slicing": (2, 4, 8)}
 
 
-def candidates(schedule: str, chunks_per_rank: int | None) -> list[tuple[str, int]]:
+def candidates(schedule: str, chunks_per_rank: int | None, bidirectional: bool = True) -> list[tuple[str, int]]:
     """The (schedule, m) pairs to consider: one for a fixed schedule (``chunks_per_rank`` or its
-    default), a few of each for ``auto`` (only ``chunks_per_rank`` if given)."""
+    default), a few of each for ``auto`` (only ``chunks_per_rank`` if given; the bidirectional
+    ring only with ``bidirectional``, see :func:`bidirectional_pays`)."""
     if schedule != "auto":
         return [(schedule, chunks_per_rank or DEFAULT_CHUNKS[schedule])]
-    return [(name, m) for name, ms in AUTO_CHUNKS.items() for m in ([chunks_per_rank] if chunks_per_rank else ms)]
+    names = [name for name in AUTO_CHUNKS if bidirectional or name != "bidirectional"]
+    return [(name, m) for name in names for m in ([chunks_per_rank] if chunks_per_rank else AUTO_CHUNKS[name])]
+
+
+def bidirectional_pays(profile: HardwareProfile, group_size: int) -> bool:
+    """Whether ``auto`` considers the bidirectional ring. Not over more than 2 ranks on links
+    that do not carry both directions at once (``duplex`` False): its halves then go to the two
+    neighbours over one shared link, which the model prices as the ring with twice the pieces
+    but which ran slower than either ring (a sequence-parallel MLP over 4 gloo ranks on a
+    shaped 1 Gbit/s loopback: 0.564× Inductor against the ring's 0.515× at m = 1 and 0.532× at
+    m = 2). With 2 ranks both halves go to the one peer, as two messages at once, and that ran
+    faster than the ring on the same link (0.675× against 0.702× and 0.724×)."""
+    return profile.duplex or group_size == 2
 
 
 def choose(estimates: list[Estimate], vanilla: Estimate, min_speedup: float) -> Estimate | None:

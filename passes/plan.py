@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from commfuse_compile.cost_model import candidates, choose, estimate
+from commfuse_compile.cost_model import bidirectional_pays, candidates, choose, estimate
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.profiles import resolve_profile
 from commfuse_compile.schedules import pieces_per_chunk
@@ -48,7 +48,10 @@ def _choose_schedule(site: Site, tensor: list[int], options: CommfuseOptions, pa
     profile = resolve_profile(options.profile, fake(site.collective).device.type)
     vanilla = estimate(work, profile, "vanilla")
     feasible, infeasible = [], []
-    considered = candidates("auto" if options.schedule == "off" else options.schedule, options.chunks_per_rank)
+    two_ways = bidirectional_pays(profile, site.group_size)
+    considered = candidates("auto" if options.schedule == "off" else options.schedule, options.chunks_per_rank, two_ways)
+    if options.schedule in ("auto", "off") and not two_ways:
+        site.notes.append(f"bidirectional not considered: profile {profile.name} has duplex=False, so over {site.group_size} ranks both neighbours share one link")
     if options.schedule in ("auto", "off"):  # (what the pattern has no rewrite for at all goes unsaid)
         considered = [(s, m) for s, m in considered if pattern.schedule_problem(s, m) is None] or considered
     for schedule, m in considered:

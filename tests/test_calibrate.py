@@ -87,3 +87,27 @@ def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
     path = calibrate.cache_path("host|cpu|gloo|ranks=[0, 1]|torch=2.13.0")
     assert path.parent == tmp_path and path.name.startswith("profile-") and path.suffix == ".json"
     assert calibrate.cache_path("host|cpu|gloo|ranks=[0, 1, 2]|torch=2.13.0") != path
+
+
+def test_ranks_agree_on_the_slowest_rate_the_largest_cost_and_the_typical_slowdown():
+    fields = calibrate.RATES + calibrate.COSTS + calibrate.TYPICAL
+    assert set(fields) == set(FIELDS)
+    rows = []
+    for rank, slowdown in enumerate([1.1, 2.5, 1.2, 1.0]):  # (one rank's window was unlucky)
+        values = {k: 10.0 + rank for k in fields} | {"overlap_slowdown": slowdown, "step_overhead": 1e-3 * (rank + 1)}
+        rows.append([values[k] for k in fields])
+    agreed = calibrate.agree(torch.tensor(rows, dtype=torch.float64))
+    assert agreed["link_bandwidth"] == 10.0 and agreed["flops_32bit"] == 10.0  # the slowest rank's
+    assert agreed["link_latency"] == 13.0  # the largest
+    assert agreed["overlap_slowdown"] == pytest.approx(1.15)  # the median, not the worst window
+    assert agreed["step_overhead"] == pytest.approx(2.5e-3)
+    (odd,) = [calibrate.agree(torch.tensor(rows[:3], dtype=torch.float64))["overlap_slowdown"]]
+    assert odd == pytest.approx(1.2)
+
+
+def test_a_profile_measured_another_way_is_measured_again(monkeypatch):
+    with fake_world(2):
+        key = calibrate.cache_key()
+        assert key.endswith(f"|method={calibrate.METHOD}")
+        monkeypatch.setattr(calibrate, "METHOD", calibrate.METHOD + 1)
+        assert calibrate.cache_key() != key

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 from conftest import fake_world
 
-from commfuse_compile.cost_model import Matmul, Workload, candidates, choose, estimate
+from commfuse_compile.cost_model import Matmul, Workload, bidirectional_pays, candidates, choose, estimate
 from commfuse_compile.options import CommfuseOptions
 from commfuse_compile.passes import run_pipeline
 from commfuse_compile.profiles import BUILTIN, HardwareProfile, resolve_profile
@@ -143,6 +145,15 @@ def test_candidates():
     assert candidates("bidirectional", 3) == [("bidirectional", 3)]
     assert {s for s, _ in candidates("auto", None)} == {"ring", "bidirectional", "slicing"}
     assert set(candidates("auto", 2)) == {("ring", 2), ("bidirectional", 2), ("slicing", 2)}
+    assert {s for s, _ in candidates("auto", None, bidirectional=False)} == {"ring", "slicing"}
+    assert candidates("bidirectional", None, bidirectional=False) == [("bidirectional", 1)]  # (asked for: kept)
+
+
+def test_bidirectional_is_considered_where_it_can_pay():
+    one_link = dataclasses.replace(ROUND, duplex=False)
+    assert bidirectional_pays(ROUND, 4) and bidirectional_pays(ROUND, 2)
+    assert bidirectional_pays(one_link, 2)  # (both halves to the one peer at once)
+    assert not bidirectional_pays(one_link, 4)  # (the two neighbours share the one link)
 
 
 # ---- options and profiles: errors name the option ------------------------------------------
@@ -317,3 +328,14 @@ def test_plan_check_payload_is_the_same_on_every_rank(world):
         ("all_gather_matmul", "rewrite", "ring"),
         ("matmul_reduce_scatter", "rewrite", "ring"),
     ]
+
+
+def test_auto_says_why_it_leaves_the_bidirectional_ring_out(world):
+    forward = mlp_graphs(256, 256, 512)["forward"]
+    one_link = plan_as(forward, "forward", 0, profile={"base": "cpu-gloo", "duplex": False})
+    assert one_link, "the MLP's forward has sites"
+    for site in one_link:
+        assert not any(label.startswith("bidirectional") for label in site.estimates), site.estimates
+        assert any("bidirectional not considered" in note and "duplex=False" in note for note in site.notes), site.notes
+    for site in plan_as(forward, "forward", 0, profile="cpu-gloo"):
+        assert any(label.startswith("bidirectional") for label in site.estimates), site.estimates
