@@ -63,6 +63,7 @@ log = logging.getLogger("commfuse_compile")
 RATES = ("flops_32bit", "flops_16bit", "link_bandwidth", "duplex")
 COSTS = ("half_efficiency_dim", "matmul_overhead", "link_latency", "collective_latency")
 TYPICAL = ("overlap_slowdown", "step_overhead")
+FIELDS = RATES + COSTS + TYPICAL
 METHOD = 2  # raised when what is measured, or how, changes (part of the cache key)
 SMALL_BYTES, LARGE_BYTES = 4, 4 << 20
 _measured: dict[str, HardwareProfile] = {}  # this process's profiles, by cache key
@@ -232,20 +233,19 @@ def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int
 def _reduce(values: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
     """The group's agreed values, from one all-gather of every rank's, reduced alike on every
     rank: rates the slowest, costs the largest, the figures timed beside a transfer the median."""
-    fields = RATES + COSTS + TYPICAL
-    mine = torch.tensor([float(values[k]) for k in fields], dtype=torch.float64, device=_device())
-    everyone = torch.empty(dist.get_world_size(group) * len(fields), dtype=torch.float64, device=mine.device)
+    mine = torch.tensor([float(values[k]) for k in FIELDS], dtype=torch.float64, device=_device())
+    everyone = torch.empty(dist.get_world_size(group) * len(FIELDS), dtype=torch.float64, device=mine.device)
     dist.all_gather_single(everyone, mine, group=group)  # (all_gather_into_tensor is deprecated in torch 2.13)
-    return agree(everyone.view(-1, len(fields)).cpu())
+    return agree(everyone.view(-1, len(FIELDS)).cpu())
 
 
 def agree(everyone: torch.Tensor) -> dict[str, float]:
-    """The agreed values of the ranks' rows (fields as in ``RATES + COSTS + TYPICAL``)."""
-    columns = dict(zip(RATES + COSTS + TYPICAL, everyone.T))
+    """The agreed values of the ranks' rows (fields as in ``FIELDS``)."""
+    columns = dict(zip(FIELDS, everyone.T))
     agreed = {k: columns[k].min().item() for k in RATES}
     agreed.update({k: columns[k].max().item() for k in COSTS})
-    # (the mean of the middle two where the count is even: the same on every rank)
-    agreed.update({k: columns[k].sort().values[(len(everyone) - 1) // 2 : len(everyone) // 2 + 1].mean().item() for k in TYPICAL})
+    # (the median; of an even count, the mean of the middle two)
+    agreed.update({k: columns[k].quantile(0.5).item() for k in TYPICAL})
     return agreed
 
 
@@ -293,7 +293,7 @@ def _load(key: str) -> dict[str, float] | None:
         data = json.loads(cache_path(key).read_text())
     except (OSError, ValueError):
         return None
-    if data.get("key") != key or set(data.get("values", {})) != set(RATES + COSTS + TYPICAL):
+    if data.get("key") != key or set(data.get("values", {})) != set(FIELDS):
         return None
     return data["values"]
 
