@@ -38,6 +38,12 @@ comm-ring))`` is the ideal a perfect overlap could reach (at tiny sizes the ring
 latency makes the replay the faster way), and each variant's "saving" is the fraction of
 ``T_inductor - ideal`` it achieved.
 
+Where the time goes. After its timed rounds at each rate every variant runs three more steps
+under the profiler on every rank, the median one kept (``_breakdown.py``), and compute alone one: the step's time
+sorted into parts (waiting for transfers, the eager collectives between the compiled graphs,
+starting transfers, matmuls, attention, compiled kernels, ...) and the trainer's phases
+(forward, loss, backward, grad clipping, optimizer) (``breakdowns``, ``compute_breakdown``).
+
 Rates. The loopback is shaped (``_network.py``) at each of ``--rates`` in turn (default 1gbit
 and 200mbit), the compiled variants kept: every rate gets its own settling and timed rounds
 (``_rounds.py``). ``compute-only`` does not depend on the rate.
@@ -62,6 +68,7 @@ import torch
 from _common import format_table, machine_info, matmul_flops_per_second, median, progress, rank_environment, run_and_keep_code, run_and_report, run_process, run_ranks, schedule_of, site_dict
 from _network import enter_network, rate_bytes_per_second, shape_loopback
 from _overlap_peer import overlap_scheduler_config
+from _breakdown import BLOCKED, PARTS, profile_median_step
 from _rounds import settle, timed_rounds
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # titan_trainer, clients
@@ -162,11 +169,13 @@ def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
         compute = run_process(compute_only_main, (config, args.world_size), env=rank_environment(cache_dir), timeout=3600)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    return assemble(args, network, config, per_rank[0], compute)
+    return assemble(args, network, config, per_rank, compute)
 
 
-def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str, Any], rank0: dict[str, Any], compute_ms: list[float]) -> dict[str, Any]:
-    """Per rate: medians, ratios to Inductor and the fraction of the possible saving."""
+def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str, Any], per_rank: list[dict[str, Any]], compute_only: dict[str, Any]) -> dict[str, Any]:
+    """Per rate: medians, ratios to Inductor, the fraction of the possible saving and where
+    each variant's step went (rank 0's breakdown, and every rank's wait)."""
+    rank0, compute_ms = per_rank[0], compute_only["times_ms"]
     compute = median(compute_ms)
     rates = {}
     for rate, times in rank0["times_ms"].items():
@@ -192,6 +201,10 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str
             "comm_ring_times_ms": times["comm-ring"],
             "ideal_ms": ideal,
             "possible_saving_ms": base - ideal,
+            "breakdowns": {
+                name: {**parts, "blocked_per_rank_ms": [sum(r["breakdowns"][rate][name]["parts_ms"][p] for p in BLOCKED) for r in per_rank]}
+                for name, parts in rank0["breakdowns"][rate].items()
+            },
             "settling_rounds_ms": rank0["settling_rounds_ms"][rate],
             "round_medians_ms": rank0["round_medians_ms"][rate],
         }
@@ -207,6 +220,7 @@ def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str
         "steps_per_round": args.steps,
         "compute_ms": compute,
         "compute_times_ms": compute_ms,
+        "compute_breakdown": compute_only["breakdown"],
         "rates": rates,
         "compile_s": rank0["compile_s"],
         "sites": rank0["sites"],
@@ -234,6 +248,7 @@ def render(results: dict[str, Any]) -> str:
             f"as issued {at['comm_ms']:.1f} ms, their bytes as ring steps {at['comm_ring_ms']:.1f} ms; "
             f"ideal max(compute, the faster of the two) {at['ideal_ms']:.1f} ms, possible saving {at['possible_saving_ms']:.1f} ms",
             "",
+            *_breakdown_table(results["compute_breakdown"], at["breakdowns"]),
         ]
     auto = results["sites"].get("commfuse")
     if auto:
@@ -243,6 +258,27 @@ def render(results: dict[str, Any]) -> str:
         verdict = f"changed the order in {check['graphs_changed']} of {check['graphs']} graphs" if check["changed"] else "changed NOTHING (the row is plain Inductor)"
         lines.append(f"{peer}: its setting {verdict} of the generated code, against inductor")
     return "\n".join(lines)
+
+
+def _breakdown_table(compute: dict[str, Any], variants: dict[str, dict[str, Any]]) -> list[str]:
+    """Rank 0's profiled step, part by part (ms), beside compute alone's."""
+    columns = {"compute alone": compute, **variants}
+    rows = [[part, *(c["parts_ms"][part] for c in columns.values())] for part in PARTS]
+    rows.append(["step (profiled)", *(c["step_ms"] for c in columns.values())])
+    phases = list(dict.fromkeys(name for c in columns.values() for name in c["phases"]))
+    phase_rows = [[name, *(_phase_cell(c["phases"].get(name)) for c in columns.values())] for name in phases]
+    blocked = ", ".join(f"{name} " + "/".join(f"{ms:.0f}" for ms in v["blocked_per_rank_ms"]) for name, v in variants.items())
+    return [
+        "where rank 0's median profiled step went (ms; _breakdown.py):",
+        format_table(["part", *columns], rows, left=(0,)),
+        format_table(["phase: ms (blocked)", *columns], phase_rows, left=(0,)),
+        f"blocked on transfers (waiting + eager collectives) on each rank (ms): {blocked}",
+        "",
+    ]
+
+
+def _phase_cell(phase: dict[str, float] | None) -> str:
+    return "-" if phase is None else f"{phase['ms']:.1f} ({phase['waiting_ms']:.1f})"
 
 
 def _percent(value: float | None) -> str:
@@ -300,7 +336,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     steps["comm-only"] = lambda: replay(calls)
     steps["comm-ring"] = ring_transfers(calls)
 
-    times, settling, round_medians = {}, {}, {}
+    times, settling, round_medians, breakdowns = {}, {}, {}, {}
     for rate in config["rates"]:
         if rate != "unshaped":
             if rank == 0:
@@ -309,7 +345,12 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
         settling[rate] = settle(steps, config["settle"], config["settle_rounds"], rank)
         times[rate], round_medians[rate] = timed_rounds(steps, config["rounds"], config["steps"], rank)
+        breakdowns[rate] = {}
+        for name in config["variants"]:
+            # (every rank profiles the same steps together; each rank keeps its median step)
+            breakdowns[rate][name] = profile_median_step(steps[name], before=dist.barrier)
     return {
+        "breakdowns": breakdowns,
         "times_ms": times,
         "settling_rounds_ms": settling,
         "round_medians_ms": round_medians,
@@ -325,10 +366,11 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def compute_only_main(config: dict[str, Any], world_size: int) -> list[float]:
+def compute_only_main(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Rank 0's step of the Inductor-compiled model on a fake process group of ``world_size``
     ranks: the same compute, collectives free (their results are garbage: denormals are
-    flushed so garbage does not slow the matmuls). Returns the timed steps (ms)."""
+    flushed so garbage does not slow the matmuls). Returns the timed steps (ms) and one profiled
+    step's breakdown."""
     import titan_trainer
 
     import commfuse_compile
@@ -345,7 +387,8 @@ def compute_only_main(config: dict[str, Any], world_size: int) -> list[float]:
             start = time.perf_counter()
             training.step()
             times.append((time.perf_counter() - start) * 1e3)
-    return times
+        breakdown = profile_median_step(training.step)
+    return {"times_ms": times, "breakdown": breakdown}
 
 
 def _same_routing_everywhere(model: torch.nn.Module) -> None:

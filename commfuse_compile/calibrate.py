@@ -26,8 +26,8 @@ the slowest rank's; costs: the largest; the two figures timed beside a transfer,
 median: see :data:`TYPICAL`), so every rank plans with the same numbers, and the result is
 cached on disk per machine, device, group layout and measuring method (:func:`cache_path`)
 and reused by later runs, which then only agree on it.
-The measurement costs a second or two on a 1 Gbit/s link (fifteen 4 MB exchanges), more on a
-slower one; the logger reports it.
+The measurement costs 1.9 s over 2 gloo ranks and 4.1 s over 4 on a 1 Gbit/s link (2-core
+CPU host; fifteen 4 MB exchanges, more time on a slower link); the logger reports it.
 ``python -m commfuse_compile calibrate`` measures ahead of time. A ``profile`` option still
 wins; the fake process group and ``explain`` use the device's named profile.
 """
@@ -64,8 +64,9 @@ RATES = ("flops_32bit", "flops_16bit", "link_bandwidth", "duplex")
 COSTS = ("half_efficiency_dim", "matmul_overhead", "link_latency", "collective_latency")
 TYPICAL = ("overlap_slowdown", "step_overhead")
 FIELDS = RATES + COSTS + TYPICAL
-METHOD = 2  # raised when what is measured, or how, changes (part of the cache key)
+METHOD = 3  # raised when what is measured, or how, changes (part of the cache key)
 SMALL_BYTES, LARGE_BYTES = 4, 4 << 20
+PROBE_DIM, LARGE_MATMUL_BUDGET_S = 256, 0.1  # (the peak-rate probe: see _measure_matmuls)
 _measured: dict[str, HardwareProfile] = {}  # this process's profiles, by cache key
 
 
@@ -118,8 +119,16 @@ def _measure_matmuls(device: torch.device, group: dist.ProcessGroup | None) -> d
         a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
         return 2 * m * k * n / _median_seconds(lambda: a @ b, device, barrier=group)
 
-    peak32 = rate(big, big, big // 2, torch.float32)
-    peak16 = rate(big, big, big // 2, torch.bfloat16)
+    def peak(dtype: torch.dtype) -> float:
+        # A probe first: where a dtype has no fast kernels (bf16 on most CPUs: under 1 GFLOP/s)
+        # one large matmul takes seconds, six of them most of a first compile. There the
+        # probe's rate is the rate (emulated matmuls gain little from size); the large one is
+        # timed only where it is quick. The decision is agreed, so every rank times the same.
+        probe = rate(PROBE_DIM, PROBE_DIM, PROBE_DIM, dtype)
+        return rate(big, big, big // 2, dtype) if _agreed_flag(time_large_matmul(probe, big), group) else probe
+
+    peak32 = peak(torch.float32)
+    peak16 = peak(torch.bfloat16)
     # Efficiency d / (d + h) at a thin dim d: h = d (peak / rate - 1), the median over a few d.
     thin = [d * max(peak32 / rate(d, big, big, torch.float32) - 1.0, 0.0) for d in (16, 64, 256)]
     one = torch.randn(1, 1, device=device)
@@ -204,6 +213,19 @@ def _measure_link(group: dist.ProcessGroup | None, device: torch.device) -> dict
         # (a link slower than the matmul leaves its latency exposed too: that is not the host's)
         "step_overhead": max(beside - max(matmul_alone, latency), 0.0),
     }
+
+
+def time_large_matmul(probe_flops_per_s: float, big: int, budget_s: float = LARGE_MATMUL_BUDGET_S) -> bool:
+    """Whether the large ``big x big x big/2`` matmul, at the probe's rate, takes at most
+    ``budget_s`` (it is then timed for the peak rate; else the probe's rate stands)."""
+    return big * big * big / max(probe_flops_per_s, 1.0) <= budget_s
+
+
+def _agreed_flag(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """``flag`` where every rank of ``group`` has it."""
+    agreed = torch.tensor([1 if flag else 0], device=_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return bool(agreed.item())
 
 
 def _agreed_count(count: float, group: dist.ProcessGroup | None) -> int:

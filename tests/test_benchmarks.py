@@ -80,6 +80,51 @@ def test_model_step_smoke(tmp_path):
     assert at["ideal_ms"] == max(results["compute_ms"], min(at["comm_ms"], at["comm_ring_ms"]))
     check = results["peer_checks"]["inductor-overlap"]
     assert check["graphs"] >= 2 and isinstance(check["changed"], bool), check
+    # One profiled step of every variant, and of compute alone, sorted into parts and phases.
+    for name, breakdown in {**at["breakdowns"], "compute alone": results["compute_breakdown"]}.items():
+        assert sum(breakdown["parts_ms"].values()) == pytest.approx(breakdown["step_ms"], rel=1e-6), name
+        assert {"forward", "loss", "backward", "grad clipping", "optimizer"} <= set(breakdown["phases"]), name
+        assert breakdown["parts_ms"]["matmul"] > 0, name
+    assert at["breakdowns"]["ring"]["parts_ms"]["starting transfers"] > 0
+    assert len(at["breakdowns"]["ring"]["blocked_per_rank_ms"]) == 2
+
+
+def test_breakdown_sorts_ops_into_parts():
+    import _breakdown
+
+    assert _breakdown.part_of("_c10d_functional::wait_tensor") == "waiting for transfers"
+    assert _breakdown.part_of("commfuse::ring_exchange") == "starting transfers"
+    assert _breakdown.part_of("c10d::allgather_into_tensor_coalesced_") == "starting transfers"
+    assert _breakdown.part_of("aten::mm") == "matmul"
+    assert _breakdown.part_of("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert _breakdown.part_of("## Call CompiledFxGraph abc ##") == "compiled kernels"
+    assert _breakdown.part_of("FSDP::pre_forward (layers.0)") == "DTensor and FSDP"
+    assert _breakdown.part_of("_ReduceScatterShard") == "eager collectives"
+    assert _breakdown.part_of("_AllGatherShardBackward") == "eager collectives"
+    assert _breakdown.part_of("aten::add_") == "other ops"
+
+
+def test_breakdown_of_a_profiled_step():
+    import _breakdown
+    import torch
+    from titan_trainer import phase
+
+    a = torch.randn(256, 256)
+
+    def step():
+        with phase("forward"):
+            for _ in range(4):
+                torch.mm(a, a)
+        with phase("optimizer"):
+            a.add(1.0)
+
+    result = _breakdown.profile_median_step(step, count=3)
+    assert len(result["profiled_steps_ms"]) == 3 and result["step_ms"] == sorted(result["profiled_steps_ms"])[1]
+    assert result["parts_ms"]["matmul"] > 0 and result["parts_ms"]["other ops"] > 0
+    assert sum(result["parts_ms"].values()) == pytest.approx(result["step_ms"], rel=1e-6)
+    assert set(result["phases"]) == {"forward", "optimizer"}
+    assert result["phases"]["forward"]["ms"] >= result["parts_ms"]["matmul"] and result["phases"]["forward"]["waiting_ms"] == 0
+    assert ["aten::mm", "matmul"] in [op[:2] for op in result["top_ops"]]
 
 
 def sequence_parallel_mlp(x, w1, w2):

@@ -110,3 +110,12 @@ def test_a_profile_measured_another_way_is_measured_again(monkeypatch):
         assert key.endswith(f"|method={calibrate.METHOD}")
         monkeypatch.setattr(calibrate, "METHOD", calibrate.METHOD + 1)
         assert calibrate.cache_key() != key
+
+
+def test_a_dtype_without_fast_kernels_is_rated_by_its_probe():
+    # The large matmul is timed only where the probe's rate says it is quick: 1024 x 1024 x 512
+    # at 50 GFLOP/s takes about 21 ms; bf16 on a CPU without bf16 kernels (0.5 GFLOP/s) 2 s,
+    # six of which were most of the first compile's measuring.
+    assert calibrate.time_large_matmul(50e9, 1024)
+    assert not calibrate.time_large_matmul(0.5e9, 1024)
+    assert calibrate.time_large_matmul(0.5e9, 1024, budget_s=3.0)

@@ -57,6 +57,14 @@ VOCAB, BATCH, SEQ = 2048, 2, 32
 AC_MODES = ("selective", "full", None)
 
 
+PHASE = "step: "  # (a profiled step's phases: benchmarks/_breakdown.py reads them by this prefix)
+
+
+def phase(name: str) -> Any:
+    """A labelled range of the step in a profile (free when no profiler runs)."""
+    return torch.profiler.record_function(PHASE + name)
+
+
 @dataclasses.dataclass
 class Training:
     """One rank's model, loss, optimizer and batch, stepped as torchtitan's trainer steps."""
@@ -76,12 +84,17 @@ class Training:
 
         self.optimizer.zero_grad()
         with self.context():
-            pred = self.model(self.tokens)
-            loss, _ = self.loss_fn(pred, self.labels, self.global_valid_tokens)
+            with phase("forward"):
+                pred = self.model(self.tokens)
+            with phase("loss"):
+                loss, _ = self.loss_fn(pred, self.labels, self.global_valid_tokens)
             del pred
-            loss.backward()
-        dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=1.0, foreach=True, ep_enabled=self.ep_enabled)
-        self.optimizer.step()
+            with phase("backward"):
+                loss.backward()
+        with phase("grad clipping"):
+            dist_utils.clip_grad_norm_(list(self.model.parameters()), max_norm=1.0, foreach=True, ep_enabled=self.ep_enabled)
+        with phase("optimizer"):
+            self.optimizer.step()
         return loss.item()
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
