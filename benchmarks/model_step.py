@@ -39,8 +39,8 @@ latency makes the replay the faster way), and each variant's "saving" is the fra
 ``T_inductor - ideal`` it achieved.
 
 Where the time goes. After its timed rounds at each rate every variant runs three more steps
-under the profiler on every rank, the median one kept (``_breakdown.py``), and compute alone one: the step's time
-sorted into parts (waiting for transfers, the eager collectives between the compiled graphs,
+under the profiler on every rank, the median one kept (``_breakdown.py``), and compute alone
+the same: the step's time sorted into parts (waiting for transfers, the eager collectives between the compiled graphs,
 starting transfers, matmuls, attention, compiled kernels, ...) and the trainer's phases
 (forward, loss, backward, grad clipping, optimizer) (``breakdowns``, ``compute_breakdown``).
 
@@ -65,10 +65,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from _breakdown import BLOCKED, PARTS, profile_median_step
 from _common import format_table, machine_info, matmul_flops_per_second, median, progress, rank_environment, run_and_keep_code, run_and_report, run_process, run_ranks, schedule_of, site_dict
 from _network import enter_network, rate_bytes_per_second, shape_loopback
 from _overlap_peer import overlap_scheduler_config
-from _breakdown import BLOCKED, PARTS, profile_median_step
 from _rounds import settle, timed_rounds
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # titan_trainer, clients
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, network: dict[str, Any]) -> dict[str, Any]:
 
 def assemble(args: argparse.Namespace, network: dict[str, Any], config: dict[str, Any], per_rank: list[dict[str, Any]], compute_only: dict[str, Any]) -> dict[str, Any]:
     """Per rate: medians, ratios to Inductor, the fraction of the possible saving and where
-    each variant's step went (rank 0's breakdown, and every rank's wait)."""
+    each variant's step went (rank 0's breakdown, and every rank's time blocked on transfers)."""
     rank0, compute_ms = per_rank[0], compute_only["times_ms"]
     compute = median(compute_ms)
     rates = {}
@@ -369,8 +369,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any]:
 def compute_only_main(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     """Rank 0's step of the Inductor-compiled model on a fake process group of ``world_size``
     ranks: the same compute, collectives free (their results are garbage: denormals are
-    flushed so garbage does not slow the matmuls). Returns the timed steps (ms) and one profiled
-    step's breakdown."""
+    flushed so garbage does not slow the matmuls). Returns the timed steps (ms) and the
+    breakdown of its median profiled step."""
     import titan_trainer
 
     import commfuse_compile
