@@ -85,10 +85,9 @@ def measured_profile(group: dist.ProcessGroup | None = None) -> HardwareProfile 
 def _agreed(group: dist.ProcessGroup | None, key: str) -> HardwareProfile:
     """The cached profile where every rank has one, else a fresh measurement; agreed by all."""
     cached = _load(key)
-    everyone_cached = torch.tensor([1.0 if cached else 0.0], device=_device())  # (nccl: on the GPU)
-    dist.all_reduce(everyone_cached, op=dist.ReduceOp.MIN, group=group)
+    everyone_cached = _group_min(int(cached is not None), group)
     started = time.perf_counter()
-    if everyone_cached.item() and cached is not None:
+    if everyone_cached and cached is not None:
         values, source = cached, f"measured earlier, cached in {cache_path(key)}"
     else:
         values, source = measure(group), "measured at the first compile"
@@ -125,7 +124,7 @@ def _measure_matmuls(device: torch.device, group: dist.ProcessGroup | None) -> d
         # probe's rate is the rate (emulated matmuls gain little from size); the large one is
         # timed only where it is quick. The decision is agreed, so every rank times the same.
         probe = rate(PROBE_DIM, PROBE_DIM, PROBE_DIM, dtype)
-        return rate(big, big, big // 2, dtype) if _agreed_flag(time_large_matmul(probe, big), group) else probe
+        return rate(big, big, big // 2, dtype) if _group_min(int(time_large_matmul(probe, big)), group) else probe
 
     peak32 = peak(torch.float32)
     peak16 = peak(torch.bfloat16)
@@ -221,16 +220,14 @@ def time_large_matmul(probe_flops_per_s: float, big: int, budget_s: float = LARG
     return big * big * big / max(probe_flops_per_s, 1.0) <= budget_s
 
 
-def _agreed_flag(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    """``flag`` where every rank of ``group`` has it."""
-    agreed = torch.tensor([1 if flag else 0], device=_device())
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    return bool(agreed.item())
-
-
 def _agreed_count(count: float, group: dist.ProcessGroup | None) -> int:
     """``count`` rounded into [1, 32], the smallest of the group's (every rank runs as many)."""
-    agreed = torch.tensor([min(max(int(count), 1), 32)], device=_device())
+    return _group_min(min(max(int(count), 1), 32), group)
+
+
+def _group_min(value: int, group: dist.ProcessGroup | None) -> int:
+    """The smallest of the group's ``value``s (a flag: 1 only where every rank has it)."""
+    agreed = torch.tensor([value], device=_device())  # (nccl: on the GPU)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
     return int(agreed.item())
 
