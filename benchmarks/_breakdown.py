@@ -30,6 +30,7 @@ timings of the steps the benchmark reports.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ PHASE_PREFIX = "step: "  # (titan_trainer.PHASE)
 STEP_LABEL = "benchmark step"
 
 WAITS = ("wait_tensor", "c10d::wait", "Work.wait", "barrier")
-TRANSFERS = ("commfuse::ring_exchange", "c10d::", "_c10d_functional::", "c10d_functional::")
+TRANSFERS = ("commfuse::ring_exchange", "c10d::", "c10d_functional::")  # (the last also matches _c10d_functional::)
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 COMPILED = ("## Call CompiledFxGraph", "CompiledFunction", "TorchDynamo", "Torch-Compiled Region")
@@ -91,13 +92,13 @@ def profile_step(step: Callable[[], Any], top: int = 12) -> dict[str, Any]:
     step_event = next(e for e in events if e.name == STEP_LABEL)
     step_ms = step_event.cpu_time_total / 1e3
     parts = dict.fromkeys(PARTS, 0.0)
-    phases: dict[str, dict[str, float]] = {}
+    phases: defaultdict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "waiting_ms": 0.0})
     by_op: dict[str, float] = {}
     for event in events:
         if event is step_event or event.thread != step_event.thread or not _within(event, step_event):
             continue  # (the transport's threads: their time shows in the wait that ends it)
         if event.name.startswith(PHASE_PREFIX):
-            phases.setdefault(event.name[len(PHASE_PREFIX):], {"ms": 0.0, "waiting_ms": 0.0})["ms"] += event.cpu_time_total / 1e3
+            phases[event.name[len(PHASE_PREFIX):]]["ms"] += event.cpu_time_total / 1e3
             continue
         ms = event.self_cpu_time_total / 1e3
         part = part_of(event.name)
@@ -106,10 +107,10 @@ def profile_step(step: Callable[[], Any], top: int = 12) -> dict[str, Any]:
         if part in BLOCKED:
             name = _phase_of(event)
             if name is not None:
-                phases.setdefault(name, {"ms": 0.0, "waiting_ms": 0.0})["waiting_ms"] += ms
+                phases[name]["waiting_ms"] += ms
     parts["Python"] = max(0.0, step_ms - sum(parts.values()))
     ranked = sorted(by_op.items(), key=lambda item: -item[1])[:top]
-    return {"step_ms": step_ms, "parts_ms": parts, "phases": phases, "top_ops": [[name, part_of(name), ms] for name, ms in ranked]}
+    return {"step_ms": step_ms, "parts_ms": parts, "phases": dict(phases), "top_ops": [[name, part_of(name), ms] for name, ms in ranked]}
 
 
 def _within(event: Any, outer: Any) -> bool:
